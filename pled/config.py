@@ -1,0 +1,143 @@
+"""pled.toml: read with tomllib, validated by pydantic, every error naming the key and the file.
+
+    socket = "/run/pled/pled.sock"
+    huge_pages = "auto"            # auto | off
+    headroom_margin = "1GiB"       # kept free beyond the tables themselves
+
+    [[table]]
+    name = "ples_int4"
+    path = "/srv/models/gemma/ples_int4"          # a sidecar directory
+    [[table]]
+    name = "checkpoint"
+    path = "/srv/models/gemma/model-*.safetensors" # or a glob of files
+
+Relative table paths are taken relative to the directory of the config file.
+"""
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+
+from .errors import ConfigError
+from .sizes import parse_size
+
+DEFAULT_PATH = "/etc/pled/pled.toml"
+DEFAULT_SOCKET = "/run/pled/pled.sock"
+ENV_VAR = "PLED_CONFIG"
+
+
+class TableConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+    path: str = Field(min_length=1)
+
+
+class Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    socket: str = DEFAULT_SOCKET
+    huge_pages: Literal["auto", "off"] = "auto"
+    headroom_margin: int = 1024**3
+    tables: tuple[TableConfig, ...] = Field(default=(), alias="table")
+    _source: str = PrivateAttr(default="<defaults>")
+
+    @property
+    def source(self) -> str:
+        """The file this configuration was read from."""
+        return self._source
+
+    @field_validator("headroom_margin", mode="before")
+    @classmethod
+    def _size(cls, value: object) -> int:
+        if not isinstance(value, (int, str)):
+            raise ValueError("expected bytes or a string like \"1GiB\"")
+        return parse_size(value)
+
+    @field_validator("socket")
+    @classmethod
+    def _absolute(cls, value: str) -> str:
+        if not value.startswith("/"):
+            raise ValueError(f"{value!r} must be an absolute path")
+        return value
+
+    @field_validator("tables")
+    @classmethod
+    def _unique_names(cls, tables: tuple[TableConfig, ...]) -> tuple[TableConfig, ...]:
+        seen: set[str] = set()
+        for table in tables:
+            if table.name in seen:
+                raise ValueError(f"table name {table.name!r} is used twice; names must be unique")
+            seen.add(table.name)
+        return tables
+
+    def table(self, name: str) -> TableConfig:
+        for table in self.tables:
+            if table.name == name:
+                return table
+        raise KeyError(name)
+
+
+def _key(loc: tuple) -> str:
+    """('table', 0, 'name') -> 'table[0].name', as a user would find it in the file."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "(top level)"
+
+
+def _describe(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = _key(tuple(p for p in e["loc"] if p not in ("function-after",)))
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key (check its spelling; see config/pled.toml for the keys pled knows)"
+        elif e["type"] == "string_pattern_mismatch" and key.endswith("name"):
+            msg = "a table name is 1-64 letters, digits, '_', '.', '-', starting with a letter or digit"
+        elif msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        lines.append(f"key {key}: {msg}")
+    return "; ".join(lines)
+
+
+def resolve_path(explicit: str | None = None) -> str:
+    """-c PATH, else $PLED_CONFIG, else /etc/pled/pled.toml."""
+    return explicit or os.environ.get(ENV_VAR) or DEFAULT_PATH
+
+
+def parse(text: str, source: str) -> Config:
+    """Validate TOML text; table paths are made absolute against the file's directory."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(source, f"not valid TOML: {err}") from err
+    if isinstance(data.get("table"), list):
+        base = Path(source).resolve().parent
+        for entry in data["table"]:
+            if isinstance(entry, dict) and isinstance(entry.get("path"), str) and entry["path"]:
+                entry["path"] = str(base / os.path.expanduser(entry["path"]))
+    try:
+        config = Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(source, _describe(err)) from err
+    config._source = source
+    return config
+
+
+def load(explicit: str | None = None) -> Config:
+    path = resolve_path(explicit)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError as err:
+        raise ConfigError(path, f"no such file; write one (see config/pled.toml) or point -c / ${ENV_VAR} at it") from err
+    except (PermissionError, IsADirectoryError, UnicodeDecodeError) as err:
+        raise ConfigError(path, f"cannot be read: {err}") from err
+    return parse(text, path)

@@ -1,0 +1,65 @@
+"""One root exception for everything pled refuses or fails at.
+
+Each subclass carries the object it is about (a file, a key, a table) and an
+exit status, so the CLI turns any of them into one clear line and the right
+code. 78 is EX_CONFIG from sysexits.h: systemd units name it in
+RestartPreventExitStatus= so that a refusal does not restart-loop.
+"""
+from __future__ import annotations
+
+EX_OK = 0
+EX_FAILURE = 1
+EX_USAGE = 64
+EX_CONFIG = 78
+
+
+class PledError(Exception):
+    """Root of pled's errors. ``exit_status`` is what the CLI exits with."""
+
+    exit_status = EX_FAILURE
+
+
+class ConfigError(PledError):
+    """The configuration file is missing, unreadable or invalid."""
+
+    exit_status = EX_CONFIG
+
+    def __init__(self, path: str, problem: str) -> None:
+        super().__init__(f"{path}: {problem}")
+        self.path = path
+        self.problem = problem
+
+
+class SidecarError(PledError):
+    """A table's files are missing, truncated, foreign or inconsistent."""
+
+    exit_status = EX_CONFIG
+
+    def __init__(self, path: str, problem: str) -> None:
+        super().__init__(f"{path}: {problem}")
+        self.path = path
+        self.problem = problem
+
+
+class PreflightRefused(PledError):
+    """The host or its memory cgroup cannot hold the tables."""
+
+    exit_status = EX_CONFIG
+
+    def __init__(self, message: str, needed: int, available: int) -> None:
+        super().__init__(message)
+        self.needed = needed
+        self.available = available
+
+
+class StagingError(PledError):
+    """Copying a table into its region failed (I/O error, source changed)."""
+
+    def __init__(self, table: str, problem: str) -> None:
+        super().__init__(f"table {table}: {problem}")
+        self.table = table
+        self.problem = problem
+
+
+class RegionError(PledError):
+    """A memfd is not a pled region, or its header or seals are wrong."""

@@ -1,0 +1,99 @@
+"""Can this host, and this process's memory cgroup, hold the tables? Decided in milliseconds.
+
+Needed: the exact bytes of every region (the source files plus their 2 MiB
+alignment and the region header), plus ``headroom_margin``. Available: MemAvailable
+(never MemFree: page cache left by an earlier run is reclaimable and must not
+cause a refusal), and inside a limited memory cgroup the least headroom of any
+level above us (the limit less what is charged and not reclaimable file cache).
+If none of that can be read the check is skipped and says "headroom unknown":
+a preflight must never stop a boot for lack of data.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from . import hostmem
+from .errors import PreflightRefused
+from .sizes import gib
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    ok: bool
+    needed: int  # tables only
+    margin: int
+    available: int | None  # None: headroom unknown
+    meminfo: hostmem.MemInfo | None
+    cgroup: hostmem.MemoryCgroup | None
+    tables: dict[str, int]
+    message: str
+    problems: tuple[str, ...] = ()  # files that could not be read
+
+    def as_dict(self) -> dict:
+        binding = self.cgroup.binding if self.cgroup else None
+        return {
+            "ok": self.ok,
+            "needed_bytes": self.needed,
+            "headroom_margin_bytes": self.margin,
+            "available_bytes": self.available,
+            "mem_available_bytes": self.meminfo.available if self.meminfo else None,
+            "cgroup": None if binding is None else {
+                "version": binding.version, "path": binding.path, "limit_bytes": binding.limit,
+                "usage_bytes": binding.usage, "reclaimable_bytes": binding.reclaimable, "headroom_bytes": binding.headroom,
+            },
+            "tables": self.tables,
+            "message": self.message,
+            "problems": list(self.problems),
+        }
+
+    def raise_if_refused(self) -> None:
+        if not self.ok:
+            raise PreflightRefused(self.message, self.needed + self.margin, self.available or 0)
+
+
+def _what(tables: dict[str, int]) -> str:
+    if len(tables) == 1:
+        (name,) = tables
+        return f"table {name}"
+    return "tables " + ", ".join(f"{n} ({gib(b)})" for n, b in tables.items())
+
+
+def check(tables: dict[str, int], margin: int, root: str = "/") -> Verdict:
+    """Compare the bytes these tables need with what this process can have."""
+    problems: list[str] = []
+    meminfo = cgroup = None
+    try:
+        meminfo = hostmem.read_meminfo(root)
+    except hostmem.HostInfoUnavailable as err:
+        problems.append(str(err))
+    try:
+        cgroup = hostmem.read_cgroup(root)
+    except hostmem.HostInfoUnavailable as err:
+        problems.append(str(err))
+    needed = sum(tables.values())
+    binding = cgroup.binding if cgroup else None
+    candidates = [x for x in (meminfo.available if meminfo else None, binding.headroom if binding else None) if x is not None]
+    if not candidates:
+        why = "; ".join(problems) or "no /proc/meminfo and no memory cgroup"
+        return Verdict(True, needed, margin, None, meminfo, cgroup, tables,
+                       f"headroom unknown ({why}); skipping the memory check for {gib(needed)}", tuple(problems))
+    available = min(candidates)
+    if binding is not None and binding.headroom <= available:
+        where = f"cgroup limit {gib(binding.limit)}"
+        if binding.path != (cgroup.path if cgroup else None):
+            where += f" on {binding.path}"
+    else:
+        where = f"MemAvailable {gib(meminfo.available)}" if meminfo else "MemAvailable unknown"
+    plus = f" plus {gib(margin)} headroom_margin" if margin else ""
+    if needed + margin > available:
+        message = (
+            f"pled needs {gib(needed)} for {_what(tables)}{plus} but only {gib(available)} is available "
+            f"to this service ({where}); free memory, raise the limit (MemoryMax= in the unit), "
+            f"lower headroom_margin, or stage fewer tables"
+        )
+        return Verdict(False, needed, margin, available, meminfo, cgroup, tables, message, tuple(problems))
+    message = f"preflight passed: {gib(needed)} for {_what(tables)}{plus}, {gib(available)} available ({where})"
+    return Verdict(True, needed, margin, available, meminfo, cgroup, tables, message, tuple(problems))

@@ -1,0 +1,171 @@
+"""The safetensors header, parsed and checked by hand.
+
+A safetensors file is an 8-byte little-endian header length N, N bytes of JSON
+(``{"name": {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``),
+then the data buffer that the offsets index. This module reads only the header,
+never the data, and checks every claim the header makes against the file's size,
+so a truncated, padded or foreign file is refused with its path and the reason.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+
+from .errors import SidecarError
+
+# Bits per element, as the safetensors format defines its dtypes.
+DTYPE_BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8,
+    "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
+    "I32": 32, "U32": 32, "F32": 32, "C64": 64,
+    "I64": 64, "U64": 64, "F64": 64,
+    "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
+}
+# The reference implementation refuses headers over 100 MB; so do we, before reading one.
+MAX_HEADER = 100_000_000
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int  # offset in the file, not in the data buffer
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    path: str
+    size: int  # the whole file
+    header_len: int
+    data_offset: int  # 8 + header_len
+    tensors: tuple[TensorInfo, ...]  # in data order
+    metadata: dict
+    fingerprint: str  # sha256 of the header bytes: identifies the layout and offsets
+
+    def tensor(self, name: str) -> TensorInfo:
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+
+def read_header(path: str) -> SafetensorsHeader:
+    """Parse and validate ``path``'s header; raise SidecarError naming the file."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise SidecarError(path, f"truncated: {size} bytes, too short for a safetensors header")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > MAX_HEADER or header_len > size - 8:
+                raise SidecarError(
+                    path,
+                    f"not a safetensors file, or truncated: its first 8 bytes claim a {header_len}-byte header "
+                    f"but the file has {size} bytes",
+                )
+            raw = f.read(header_len)
+    except FileNotFoundError as err:
+        raise SidecarError(path, "no such file") from err
+    except IsADirectoryError as err:
+        raise SidecarError(path, "is a directory, not a safetensors file") from err
+    except PermissionError as err:
+        raise SidecarError(path, f"cannot be read ({err.strerror}); give pled's user read access") from err
+    return parse_header(path, size, raw)
+
+
+def parse_header(path: str, size: int, raw: bytes) -> SafetensorsHeader:
+    header_len = len(raw)
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise SidecarError(path, f"not a safetensors file: its header is not JSON ({err})") from err
+    if not isinstance(doc, dict):
+        raise SidecarError(path, "not a safetensors file: its header is not a JSON object")
+    metadata = doc.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise SidecarError(path, "__metadata__ must be an object of strings")
+    data_offset = 8 + header_len
+    data_size = size - data_offset
+    tensors = []
+    for name, spec in doc.items():
+        tensors.append(_tensor(path, name, spec, data_offset, data_size))
+    tensors.sort(key=lambda t: (t.begin, t.nbytes))
+    # The data buffer must be covered exactly: no overlap, no hole, nothing after the last tensor.
+    end = data_offset
+    for t in tensors:
+        if t.begin != end:
+            what = "overlaps the tensor before it" if t.begin < end else f"leaves a {t.begin - end}-byte hole before it"
+            raise SidecarError(path, f"tensor {t.name!r} {what}; the header does not describe this file")
+        end = t.begin + t.nbytes
+    if end != size:
+        raise SidecarError(
+            path,
+            f"header describes {end - data_offset} bytes of tensor data but the file holds {data_size}"
+            + (" (truncated copy?)" if end > size else " (trailing bytes)"),
+        )
+    return SafetensorsHeader(
+        path=path,
+        size=size,
+        header_len=header_len,
+        data_offset=data_offset,
+        tensors=tuple(tensors),
+        metadata=metadata,
+        fingerprint=hashlib.sha256(raw).hexdigest(),
+    )
+
+
+def _tensor(path: str, name: str, spec: object, data_offset: int, data_size: int) -> TensorInfo:
+    def bad(problem: str) -> SidecarError:
+        return SidecarError(path, f"tensor {name!r}: {problem}")
+
+    if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
+        raise bad("needs exactly dtype, shape and data_offsets")
+    dtype, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
+    if dtype not in DTYPE_BITS:
+        raise bad(f"unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise bad(f"shape {shape!r} is not a list of non-negative integers")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        raise bad(f"data_offsets {offsets!r} is not [begin, end] with 0 <= begin <= end")
+    bits = math.prod(shape) * DTYPE_BITS[dtype]
+    if bits % 8:
+        raise bad(f"{dtype}{shape} is not a whole number of bytes")
+    if offsets[1] - offsets[0] != bits // 8:
+        raise bad(f"{dtype}{shape} is {bits // 8} bytes but data_offsets span {offsets[1] - offsets[0]}")
+    if offsets[1] > data_size:
+        raise bad(f"data ends at byte {offsets[1]} of a {data_size}-byte data buffer (truncated file?)")
+    return TensorInfo(name=name, dtype=dtype, shape=tuple(shape), begin=data_offset + offsets[0], nbytes=bits // 8)
+
+
+def write(path: str, tensors: list[tuple[str, str, tuple[int, ...], bytes | memoryview]], metadata: dict | None = None) -> None:
+    """Write a safetensors file (used by the sidecar generator and tests), padding the header to 8 bytes, and fsync it."""
+    header: dict = {}
+    if metadata:
+        header["__metadata__"] = metadata
+    offset = 0
+    for name, dtype, shape, data in tensors:
+        n = memoryview(data).nbytes
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for _, _, _, data in tensors:
+            f.write(data)
+        f.flush()
+        # Clean pages: the generator's output must be droppable from page cache like any sidecar on disk.
+        os.fsync(f.fileno())

@@ -1,0 +1,231 @@
+"""A table's source files: found, ordered, validated, described.
+
+A table is either a sidecar directory (``shard_N.safetensors`` plus an optional
+``META.json``) or a glob of ``.safetensors`` files, such as a checkpoint's own
+``model-00001-of-00004.safetensors``. Everything here reads headers only; the
+bytes a table needs are the sum of its files, never an estimate.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+from dataclasses import dataclass, field
+
+from . import layouts
+from .errors import SidecarError
+from .safetensors_file import SafetensorsHeader, read_header
+
+_NUMBERED = re.compile(r"^(?P<prefix>.*?)(?P<n>\d+)\.safetensors$")
+_OF = re.compile(r"^(?P<prefix>.*?)-(?P<n>\d+)-of-(?P<total>\d+)\.safetensors$")
+META = "META.json"
+
+
+@dataclass(frozen=True)
+class Shard:
+    index: int
+    path: str  # real path: the identity a client compares against
+    header: SafetensorsHeader
+    mtime_ns: int
+    dev: int
+    ino: int
+    rows: int = 0  # 0 for a generic table
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.path)
+
+    @property
+    def size(self) -> int:
+        return self.header.size
+
+
+@dataclass(frozen=True)
+class Sidecar:
+    source: str  # as configured: a directory, a file or a glob
+    layout: str  # a layouts.LAYOUTS name or layouts.GENERIC
+    shards: tuple[Shard, ...]
+    rows: int  # total rows in shard order (0 for generic)
+    row_width: int  # columns of the dequantized table (0 for generic)
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the source files, exactly."""
+        return sum(s.size for s in self.shards)
+
+    def describe(self) -> dict:
+        return {
+            "source": self.source,
+            "layout": self.layout,
+            "shards": len(self.shards),
+            "rows": self.rows,
+            "row_width": self.row_width,
+            "bytes": self.nbytes,
+            "files": [
+                {"path": s.path, "bytes": s.size, "rows": s.rows, "tensors": len(s.header.tensors), "fingerprint": s.header.fingerprint}
+                for s in self.shards
+            ],
+        }
+
+
+def natural_key(name: str) -> list:
+    """shard_2 before shard_10."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def find_files(source: str) -> list[str]:
+    """The .safetensors files a table path names, in numeric order."""
+    if os.path.isdir(source):
+        names = [n for n in os.listdir(source) if n.endswith(".safetensors")]
+        if not names:
+            raise SidecarError(source, "directory holds no .safetensors files; point the table at a sidecar directory or a glob")
+        files = [os.path.join(source, n) for n in names]
+    elif glob.has_magic(source):
+        files = [f for f in glob.glob(source) if os.path.isfile(f)]
+        if not files:
+            raise SidecarError(source, "the pattern matches no files; check the table's path")
+        not_st = [f for f in files if not f.endswith(".safetensors")]
+        if not_st:
+            raise SidecarError(not_st[0], "matched by the table's pattern but not a .safetensors file; narrow the pattern")
+    elif os.path.exists(source):
+        files = [source]
+    else:
+        raise SidecarError(source, "no such file or directory; check the table's path")
+    files.sort(key=lambda f: natural_key(os.path.basename(f)))
+    check_numbering(files)
+    return files
+
+
+def check_numbering(files: list[str]) -> None:
+    """Refuse a gap or a duplicate in shard_N or model-0000K-of-0000M numbering."""
+    names = [os.path.basename(f) for f in files]
+    of = [_OF.match(n) for n in names]
+    if all(of) and len({m["prefix"] for m in of}) == 1:
+        totals = {int(m["total"]) for m in of}
+        if len(totals) != 1:
+            raise SidecarError(files[0], f"files disagree on the shard count ({sorted(totals)})")
+        (total,) = totals
+        _contiguous(files, [int(m["n"]) for m in of], expect=range(1, total + 1))
+        return
+    numbered = [_NUMBERED.match(n) for n in names]
+    if all(numbered) and len({m["prefix"] for m in numbered}) == 1 and len(files) > 1:
+        numbers = [int(m["n"]) for m in numbered]
+        start = min(numbers)
+        if start not in (0, 1):
+            raise SidecarError(files[0], f"shard numbering starts at {start}; shards before it are missing")
+        _contiguous(files, numbers, expect=range(start, start + len(numbers)))
+
+
+def _contiguous(files: list[str], numbers: list[int], expect: range) -> None:
+    seen: dict[int, str] = {}
+    for n, f in zip(numbers, files):
+        if n in seen:
+            raise SidecarError(f, f"shard number {n} appears twice (also {os.path.basename(seen[n])})")
+        seen[n] = f
+    missing = [n for n in expect if n not in seen]
+    if missing:
+        directory = os.path.dirname(files[0])
+        shown = ", ".join(str(n) for n in missing[:5]) + (" …" if len(missing) > 5 else "")
+        raise SidecarError(directory, f"shard numbering has a gap: number {shown} missing of {expect.start}..{expect.stop - 1}")
+    if len(seen) != len(expect):
+        extra = sorted(set(seen) - set(expect))
+        raise SidecarError(seen[extra[0]], f"shard number {extra[0]} is outside {expect.start}..{expect.stop - 1}")
+
+
+def open_table(source: str) -> Sidecar:
+    """Find, read and validate every file of a table; SidecarError names the file and the fault."""
+    files = find_files(source)
+    headers = [read_header(f) for f in files]
+    layout = _detect_layout(headers)
+    rows_per_shard: list[int] = []
+    width = 0
+    if layout is not None:
+        for h in headers:
+            try:
+                rows, w = layouts.rows_and_width(
+                    layout, {t.name: t.shape for t in h.tensors}, {t.name: t.dtype for t in h.tensors}
+                )
+            except ValueError as err:
+                raise SidecarError(h.path, str(err)) from err
+            if width and w != width:
+                raise SidecarError(h.path, f"row width {w} differs from {width} in {os.path.basename(headers[0].path)}")
+            width = w
+            rows_per_shard.append(rows)
+    elif len(headers) > 1 and all(_NUMBERED.match(os.path.basename(h.path)) and not _OF.match(os.path.basename(h.path)) for h in headers):
+        _check_alike(headers)  # shards of one unknown layout must at least agree with each other
+    shards = []
+    for i, h in enumerate(headers):
+        st = os.stat(h.path)
+        shards.append(
+            Shard(index=i, path=os.path.realpath(h.path), header=h, mtime_ns=st.st_mtime_ns, dev=st.st_dev, ino=st.st_ino,
+                  rows=rows_per_shard[i] if rows_per_shard else 0)
+        )
+    sidecar = Sidecar(
+        source=source,
+        layout=layout.name if layout else layouts.GENERIC,
+        shards=tuple(shards),
+        rows=sum(rows_per_shard),
+        row_width=width,
+    )
+    if os.path.isdir(source):
+        meta = _read_meta(os.path.join(source, META), sidecar)
+        sidecar = Sidecar(**{**sidecar.__dict__, "meta": meta})
+    return sidecar
+
+
+def _detect_layout(headers: list[SafetensorsHeader]) -> layouts.Layout | None:
+    found = None
+    for h in headers:
+        try:
+            layout = layouts.detect({t.name for t in h.tensors})
+        except ValueError as err:
+            raise SidecarError(h.path, str(err)) from err
+        if h is headers[0]:
+            found = layout
+        elif layout is not found:
+            this = layout.name if layout else "no PLE layout"
+            raise SidecarError(h.path, f"holds {this} but {os.path.basename(headers[0].path)} holds {found.name if found else 'no PLE layout'}")
+    return found
+
+
+def _check_alike(headers: list[SafetensorsHeader]) -> None:
+    def sig(h: SafetensorsHeader) -> dict:
+        return {t.name: (t.dtype, t.shape[1:]) for t in h.tensors}
+
+    first = sig(headers[0])
+    for h in headers[1:]:
+        this = sig(h)
+        if set(this) != set(first):
+            raise SidecarError(h.path, f"tensors {sorted(this)} differ from {sorted(first)} in {os.path.basename(headers[0].path)}")
+        for name, (dtype, trailing) in this.items():
+            if (dtype, trailing) != first[name]:
+                raise SidecarError(
+                    h.path,
+                    f"tensor {name!r} is {dtype}[*, {', '.join(map(str, trailing))}] but "
+                    f"{first[name][0]}[*, {', '.join(map(str, first[name][1]))}] in {os.path.basename(headers[0].path)}",
+                )
+
+
+def _read_meta(path: str, sidecar: Sidecar) -> dict:
+    """META.json is optional; where present, what it says must match the shards."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise SidecarError(path, f"cannot be read as JSON ({err}); fix or remove it") from err
+    if not isinstance(meta, dict):
+        raise SidecarError(path, "is not a JSON object")
+    checks = {
+        "layout": sidecar.layout,
+        "num_shards": len(sidecar.shards),
+        "total_rows": sidecar.rows,
+        "row_width": sidecar.row_width,
+    }
+    for key, actual in checks.items():
+        if key in meta and meta[key] != actual:
+            raise SidecarError(path, f"says {key} = {meta[key]!r} but the shards give {actual!r}")
+    return meta

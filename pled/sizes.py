@@ -1,0 +1,49 @@
+"""Byte sizes: parse "1GiB" from configs, format figures for logs."""
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1024, "kib": 1024, "kb": 1000,
+    "m": 1024**2, "mib": 1024**2, "mb": 1000**2,
+    "g": 1024**3, "gib": 1024**3, "gb": 1000**3,
+    "t": 1024**4, "tib": 1024**4, "tb": 1000**4,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+HUGE_PAGE = 2 * 1024**2
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a string such as "512MiB", "1.5 GiB", "4G" (G = GiB)."""
+    if isinstance(value, bool):
+        raise ValueError("expected a size in bytes or a string like \"1GiB\", got a boolean")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"a size cannot be negative, got {value}")
+        return value
+    match = _SIZE.match(value)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"{value!r} is not a size: use bytes or a string like \"512MiB\" or \"1GiB\"")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def align_up(n: int, alignment: int = HUGE_PAGE) -> int:
+    return -(-n // alignment) * alignment
+
+
+def gib(n: int | float) -> str:
+    """A figure for a log line: '29.8 GiB', '512.0 MiB' below 1 GiB."""
+    if abs(n) >= 1024**3:
+        return f"{n / 1024**3:.1f} GiB"
+    if abs(n) >= 1024**2:
+        return f"{n / 1024**2:.1f} MiB"
+    return f"{n / 1024:.1f} KiB"
+
+
+def rate(nbytes: int, seconds: float) -> str:
+    """Throughput in GB/s (decimal, as disks are rated)."""
+    if seconds <= 0:
+        return "inf GB/s"
+    return f"{nbytes / seconds / 1e9:.2f} GB/s"

@@ -1,0 +1,221 @@
+"""Copy a table's files into one sealed, shared, anonymous memfd, one shard at a time.
+
+Every byte is copied once, straight from the page cache into the region, never
+through a second buffer; each chunk's file pages are dropped as soon as they are
+copied, so the transient page cache is a chunk or two, not a table. When every
+shard is in, every writable mapping is gone and the memfd is sealed against
+shrinking, growing and writing: no client can ever change the table.
+"""
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import logging
+import mmap
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from . import hugepages, region
+from .errors import PledError, StagingError
+from .region import Manifest
+from .sidecar import Shard, Sidecar
+from .sizes import gib, rate
+
+log = logging.getLogger(__name__)
+
+CHUNK = 64 * 1024 * 1024
+SENDFILE = "sendfile"  # kernel copy, page cache -> shmem: fastest with 4 KiB pages
+FAULT = "fault"  # read() into a MADV_HUGEPAGE mapping: page faults are what allocate huge pages
+
+
+class StagingCancelled(PledError):
+    """Staging stopped on request (SIGTERM); nothing is wrong."""
+
+    exit_status = 0
+
+
+@dataclass(frozen=True)
+class FillPlan:
+    method: str
+    policy: str  # what the kernel allows, for logs and status: "advise", "never", "off (config)", ...
+    note: str  # one sentence for the log when the table cannot get huge pages, else ""
+
+
+def plan_fill(huge_pages: str, policy: hugepages.ShmemPolicy | None) -> FillPlan:
+    if huge_pages == "off":
+        return FillPlan(SENDFILE, "off (config)", "huge_pages = \"off\" in the config: the table uses 4 KiB pages")
+    if policy is None:
+        return FillPlan(SENDFILE, "unsupported", "this kernel has no transparent huge pages: the table uses 4 KiB pages")
+    if not policy.allows_huge:
+        return FillPlan(
+            SENDFILE, policy.effective,
+            f"shmem_enabled is {policy.effective}: the table uses 4 KiB pages; to enable huge pages for shared memory: "
+            f"{hugepages.ENABLE_HINT}",
+        )
+    # advise needs MADV_HUGEPAGE on a mapping and faults through it (sendfile gets none there);
+    # under always/within_size faults get them too, so one path serves every mode that allows them.
+    return FillPlan(FAULT, policy.effective, "")
+
+
+@dataclass(frozen=True)
+class StageStats:
+    seconds: float
+    huge_bytes: int  # bytes of the region backed by 2 MiB pages, as mapped while filling
+    fill: FillPlan
+
+
+class Region:
+    """Owns one staged table's memfd. ``close()`` drops this handle and is safe to repeat."""
+
+    _fd = -1
+
+    def __init__(self, fd: int, manifest: Manifest, stats: StageStats | None = None) -> None:
+        self._fd = fd
+        self.manifest = manifest
+        self.stats = stats
+
+    @property
+    def fd(self) -> int:
+        if self._fd < 0:
+            raise ValueError(f"region of table {self.manifest.table} is closed")
+        return self._fd
+
+    @property
+    def closed(self) -> bool:
+        return self._fd < 0
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __enter__(self) -> "Region":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def _drop_cache(fd: int, offset: int, length: int, path: str) -> None:
+    """POSIX_FADV_DONTNEED: the cgroup must not be charged for the file pages and the copy both."""
+    try:
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+    except OSError as err:  # os.posix_fadvise raises on the returned error, unlike a bare libc call
+        log.warning("could not drop page cache of %s (%s); staging goes on, page cache will be reclaimed later", path, err)
+
+
+def _address(m: mmap.mmap) -> int:
+    anchor = ctypes.c_char.from_buffer(m)
+    try:
+        return ctypes.addressof(anchor)
+    finally:
+        del anchor
+
+
+def _copy_shard(shard: Shard, offset: int, fd: int, view: memoryview | None, should_stop: Callable[[], bool], table: str) -> None:
+    try:
+        src = os.open(shard.path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as err:
+        raise StagingError(table, f"cannot open {shard.path} ({err.strerror})") from err
+    try:
+        _check_unchanged(src, shard, table)
+        os.posix_fadvise(src, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        if view is None:
+            os.lseek(fd, offset, os.SEEK_SET)
+        done = 0
+        while done < shard.size:
+            if should_stop():
+                raise StagingCancelled(f"staging of table {table} cancelled at {shard.name}")
+            want = min(CHUNK, shard.size - done)
+            if view is None:
+                got = os.sendfile(fd, src, done, want)
+            else:
+                got = os.preadv(src, [view[offset + done: offset + done + want]], done)
+            if got == 0:
+                raise StagingError(table, f"{shard.path} ended at byte {done} of {shard.size}: it was truncated while staging")
+            _drop_cache(src, done, got, shard.path)
+            done += got
+        _drop_cache(src, 0, 0, shard.path)  # readahead may have brought in pages past the last chunk
+        _check_unchanged(src, shard, table)
+    except OSError as err:
+        raise StagingError(table, f"reading {shard.path} failed ({err})") from err
+    finally:
+        os.close(src)
+    header = os.pread(fd, shard.header.header_len, offset + 8)
+    if hashlib.sha256(header).hexdigest() != shard.header.fingerprint:
+        raise StagingError(table, f"{shard.path} changed while staging (its header differs from the one validated)")
+
+
+def _check_unchanged(src: int, shard: Shard, table: str) -> None:
+    st = os.fstat(src)
+    if st.st_size != shard.size or st.st_mtime_ns != shard.mtime_ns:
+        raise StagingError(
+            table, f"{shard.path} changed since it was validated (size {st.st_size}, was {shard.size}); restart pled once it is written"
+        )
+
+
+def stage(
+    table: str,
+    sidecar: Sidecar,
+    *,
+    huge_pages: str = "auto",
+    sys_root: str = "/",
+    on_shard: Callable[[Shard, int, float], None] | None = None,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> Region:
+    """Stage ``sidecar`` into a new sealed memfd; the caller owns the returned Region."""
+    manifest = region.plan(table, sidecar)
+    fill = plan_fill(huge_pages, hugepages.read_policy(sys_root))
+    fd = os.memfd_create(f"pled:{table}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, manifest.region_bytes)
+        start = time.perf_counter()
+        huge_bytes = _fill(fd, manifest, sidecar, fill, on_shard, should_stop, table)
+        seconds = time.perf_counter() - start
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, region.SEALS)
+    except BaseException:
+        os.close(fd)  # a half-built region frees its memory with its last fd
+        raise
+    return Region(fd, manifest, StageStats(seconds, huge_bytes, fill))
+
+
+def _fill(fd, manifest, sidecar, fill, on_shard, should_stop, table) -> int:
+    header = region.encode_header(manifest)
+    m = view = None
+    if fill.method == FAULT:
+        m = mmap.mmap(fd, manifest.region_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        m.madvise(mmap.MADV_HUGEPAGE)
+        view = memoryview(m)
+        view[: len(header)] = header
+    else:
+        os.pwrite(fd, header, 0)
+    try:
+        for shard, entry in zip(sidecar.shards, manifest.shards):
+            t = time.perf_counter()
+            _copy_shard(shard, entry.offset, fd, view, should_stop, table)
+            if on_shard:
+                on_shard(shard, entry.offset, time.perf_counter() - t)
+        return hugepages.pmd_mapped_bytes(_address(m)) if m is not None else 0
+    finally:
+        # Every writable mapping must be gone before F_SEAL_WRITE can be set.
+        if view is not None:
+            view.release()
+        if m is not None:
+            m.close()
+
+
+def describe_ready(r: Region) -> str:
+    """The log line for a staged table: size, time, rate, huge-page share."""
+    m, s = r.manifest, r.stats
+    share = s.huge_bytes / m.region_bytes if m.region_bytes else 0.0
+    line = (
+        f"table {m.table} staged: {gib(m.source_bytes)} in {len(m.shards)} shards, {s.seconds * 1000:.0f} ms "
+        f"({rate(m.source_bytes, s.seconds)}), huge pages {share:.0%} (shmem_enabled: {s.fill.policy}), sealed"
+    )
+    return line + (f"; {s.fill.note}" if s.fill.note else "")
