@@ -1,0 +1,118 @@
+"""The pled command in real processes: inspect, preflight, serve, demo, make-sidecar."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from conftest import run_pled, write_config
+
+
+def test_make_sidecar_and_inspect(tmp_path):
+    d = tmp_path / "sc"
+    r = run_pled("make-sidecar", d, "--layout", "ples_fp8", "--shards", 11, "--rows", 50, "--seed", 3)
+    assert r.returncode == 0, r.stderr
+    r = run_pled("inspect", d)
+    assert r.returncode == 0, r.stderr
+    assert "layout     ples_fp8" in r.stdout
+    assert "shards     11 (shard_0.safetensors .. shard_10.safetensors)" in r.stdout
+    assert "rows       550 (50 per shard)" in r.stdout
+    assert "row width  160" in r.stdout
+    size = sum(p.stat().st_size for p in d.glob("*.safetensors"))
+    assert f"bytes      {size} " in r.stdout
+    j = json.loads(run_pled("inspect", d, "--json").stdout)
+    assert (j["layout"], j["shards"], j["rows"], j["bytes"]) == ("ples_fp8", 11, 550, size)
+
+
+def test_generator_is_deterministic(tmp_path):
+    for name in ("a", "b"):
+        assert run_pled("make-sidecar", tmp_path / name, "--shards", 2, "--rows", 30, "--seed", 7).returncode == 0
+    assert (tmp_path / "a/shard_1.safetensors").read_bytes() == (tmp_path / "b/shard_1.safetensors").read_bytes()
+    assert run_pled("make-sidecar", tmp_path / "c", "--shards", 2, "--rows", 30, "--seed", 8).returncode == 0
+    assert (tmp_path / "a/shard_1.safetensors").read_bytes() != (tmp_path / "c/shard_1.safetensors").read_bytes()
+
+
+def test_inspect_refuses_a_bad_sidecar_with_78(sidecar):
+    d = sidecar(shards=3, rows=20)
+    (d / "shard_1.safetensors").unlink()
+    r = run_pled("inspect", d)
+    assert r.returncode == 78
+    assert "shard numbering has a gap: number 1 missing" in r.stderr and str(d) in r.stderr
+
+
+def test_preflight_passes_and_refuses(sidecar, tmp_path):
+    d = sidecar(shards=2, rows=100)
+    ok = write_config(tmp_path / "ok.toml", {"ples_int4": d}, headroom_margin="1MiB")
+    r = run_pled("preflight", "-c", ok)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("preflight passed: 6.0 MiB for table ples_int4")
+    j = json.loads(run_pled("preflight", "-c", ok, "--json").stdout)
+    assert j["ok"] and j["needed_bytes"] == 6 * 1024**2 and j["available_bytes"] > 0
+    big = write_config(tmp_path / "big.toml", {"ples_int4": d}, headroom_margin="1000TiB")
+    r = run_pled("preflight", "-c", big)
+    assert r.returncode == 78
+    assert "pled needs 6.0 MiB for table ples_int4 plus 1024000.0 GiB headroom_margin but only" in r.stdout
+    r = run_pled("preflight", env={"PLED_CONFIG": str(big)})  # the environment names the config too
+    assert r.returncode == 78
+
+
+def test_serve_refuses_bad_config_and_bad_sidecar_with_78(tmp_path, sidecar):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("huge_pages = 'sometimes'\n")
+    r = run_pled("serve", "-c", bad)
+    assert r.returncode == 78 and f"{bad}: key huge_pages" in r.stderr
+    empty = tmp_path / "empty.toml"
+    empty.write_text("")
+    r = run_pled("serve", "-c", empty)
+    assert r.returncode == 78 and "no [[table]] configured" in r.stderr
+    d = sidecar(shards=2, rows=20)
+    (d / "shard_0.safetensors").write_bytes(b"garbage!" * 3)
+    r = run_pled("serve", "-c", write_config(tmp_path / "t.toml", {"t": d}, headroom_margin=0))
+    assert r.returncode == 78 and "shard_0.safetensors: not a safetensors file" in r.stderr
+
+
+def _wait_for(proc, text, timeout=30):
+    seen = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line:
+            break
+        seen.append(line)
+        if text in line:
+            return seen
+    raise AssertionError(f"{text!r} not logged; saw:\n{''.join(seen)}")
+
+
+def test_serve_stages_holds_and_stops_on_sigterm(sidecar, tmp_path):
+    d1 = sidecar("ples_int4", shards=3, rows=2000)
+    d2 = sidecar("ples_nvfp4", shards=2, rows=2000)
+    cfg = write_config(tmp_path / "pled.toml", {"ples_int4": d1, "ples_nvfp4": d2}, headroom_margin="1MiB")
+    env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "JOURNAL_STREAM")}
+    proc = subprocess.Popen([sys.executable, "-m", "pled", "serve", "-c", str(cfg)], stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        log = "".join(_wait_for(proc, "ready: 2 table(s)"))
+        assert "preflight passed" in log
+        assert "table ples_int4: shard 1/3 shard_0.safetensors" in log and "GB/s" in log
+        assert "table ples_nvfp4: shard 2/2 shard_1.safetensors" in log
+        assert "table ples_int4 staged:" in log and "sealed" in log and "huge pages" in log
+        # The regions are held: the daemon's fds point at sealed memfds named after the tables.
+        fds = {os.readlink(f"/proc/{proc.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{proc.pid}/fd")}
+        assert any(f.startswith("/memfd:pled:ples_int4") for f in fds), fds
+        assert any(f.startswith("/memfd:pled:ples_nvfp4") for f in fds), fds
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.communicate(timeout=30)[1]
+        assert proc.returncode == 0
+        assert "stopping: releasing 2 table(s)" in rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_demo_runs_and_checks_rows(tmp_path):
+    r = run_pled("demo", "--shards", 4, "--rows", 5000, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("identical to the file: True") == 5
+    assert "a writable mapping of the region is refused (EPERM)" in r.stdout
