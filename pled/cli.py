@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from . import __version__, config as config_mod, logs
@@ -54,6 +55,50 @@ def _serve(args) -> int:
     return Daemon(config_mod.load(args.config)).run()
 
 
+EX_NOT_RUNNING = 3  # as systemctl status and LSB init scripts say "not running"
+
+
+def _status(args) -> int:
+    from . import client, protocol
+    from .sizes import gib
+
+    path = args.socket or os.environ.get(client.ENV_SOCKET)
+    if path is None:
+        try:
+            path = config_mod.load(args.config).socket
+        except PledError:
+            path = client.DEFAULT_SOCKET
+    try:
+        st = client.call(protocol.STATUS, socket=path, timeout=args.timeout)
+    except client.ClientError as err:
+        print(f"pled status: {err}", file=sys.stderr)
+        return EX_NOT_RUNNING if isinstance(err, client.DaemonUnavailable) else 1
+    healthy = all(t["state"] == "ready" and t.get("resident_share", 0) >= 0.999 for t in st["tables"])
+    if args.json:
+        print(json.dumps({**st, "healthy": healthy}, indent=2))
+        return 0 if healthy else 1
+    up = int(st["uptime_seconds"])
+    print(f"pled {st['version']}, pid {st['pid']}, up {up // 3600}h {up % 3600 // 60}m {up % 60}s, socket {st['socket']}")
+    print(f"{'TABLE':<16} {'STATE':<8} {'SHARDS':>9} {'SIZE':>10} {'RESIDENT':>8} {'HUGE':>5} {'GEN':>4}  FINGERPRINT")
+    notes = []
+    for t in st["tables"]:
+        resident = f"{t['resident_share']:.0%}" if "resident_share" in t else "-"
+        huge = f"{t['huge_page_bytes'] / t['region_bytes']:.0%}" if t.get("huge_page_bytes") is not None else "-"
+        print(f"{t['table']:<16} {t['state']:<8} {t['shards_done']:>4}/{t['shards']:<4} {gib(t['bytes']):>10} "
+              f"{resident:>8} {huge:>5} {t['generation']:>4}  {t['fingerprint'][:12]}")
+        if t.get("huge_page_note"):
+            notes.append(f"{t['table']}: {t['huge_page_note']}")
+        if t.get("error"):
+            notes.append(f"{t['table']}: {t['error']}")
+    for note in notes:
+        print(f"  note: {note}")
+    clients = st["clients"]
+    print(f"{len(clients)} client(s) attached" + (":" if clients else ""))
+    for c in clients:
+        print(f"  pid {c['pid']:<8} uid {c['uid']:<6} {', '.join(c['tables']):<16} {c['command'][:80]}")
+    return 0 if healthy else 1
+
+
 def _demo(args) -> int:
     from .demo import run
 
@@ -92,6 +137,13 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run the daemon: preflight, stage, hold the tables until SIGTERM")
     s.add_argument("-c", "--config", help=config_help)
     s.set_defaults(func=_serve)
+
+    s = sub.add_parser("status", help="what the running daemon holds, and who is attached")
+    s.add_argument("-c", "--config", help=config_help + "; read for its socket")
+    s.add_argument("--socket", help="the daemon's socket (default $PLED_SOCKET, else the config's)")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--timeout", type=float, default=5.0)
+    s.set_defaults(func=_status)
 
     s = sub.add_parser("demo", help="stage a small synthetic sidecar and read it back")
     s.add_argument("--layout", default="ples_int4", choices=["ples_fp8", "ples_int4", "ples_nvfp4"])

@@ -3,6 +3,9 @@
     socket = "/run/pled/pled.sock"
     huge_pages = "auto"            # auto | off
     headroom_margin = "1GiB"       # kept free beyond the tables themselves
+    allow_uids = [1000]            # besides root and pled's own user
+    allow_groups = ["vllm"]        # group names or gids
+    staging_bandwidth = "500MB/s"  # optional: leave disk bandwidth to vLLM
 
     [[table]]
     name = "ples_int4"
@@ -15,6 +18,7 @@ Relative table paths are taken relative to the directory of the config file.
 """
 from __future__ import annotations
 
+import grp
 import os
 import tomllib
 from pathlib import Path
@@ -43,6 +47,9 @@ class Config(BaseModel):
     socket: str = DEFAULT_SOCKET
     huge_pages: Literal["auto", "off"] = "auto"
     headroom_margin: int = 1024**3
+    staging_bandwidth: int | None = None  # bytes/s; None: as fast as the disk goes
+    allow_uids: tuple[int, ...] = ()
+    allow_groups: tuple[int | str, ...] = ()
     tables: tuple[TableConfig, ...] = Field(default=(), alias="table")
     _source: str = PrivateAttr(default="<defaults>")
 
@@ -57,6 +64,43 @@ class Config(BaseModel):
         if not isinstance(value, (int, str)):
             raise ValueError("expected bytes or a string like \"1GiB\"")
         return parse_size(value)
+
+    @field_validator("staging_bandwidth", mode="before")
+    @classmethod
+    def _bandwidth(cls, value: object) -> int:
+        """Bytes per second: 200000000, "200MB", "200MB/s", "1.5GiB/s"."""
+        text = value[:-2] if isinstance(value, str) and value.endswith("/s") else value
+        if not isinstance(text, (int, str)):
+            raise ValueError("expected bytes per second or a string like \"500MB/s\"")
+        rate = parse_size(text)
+        if rate <= 0:
+            raise ValueError("must be positive; leave it out for no limit")
+        return rate
+
+    @field_validator("allow_uids")
+    @classmethod
+    def _uids(cls, uids: tuple[int, ...]) -> tuple[int, ...]:
+        for uid in uids:
+            if uid < 0:
+                raise ValueError(f"{uid} is not a uid")
+        return uids
+
+    @field_validator("allow_groups")
+    @classmethod
+    def _groups(cls, groups: tuple[int | str, ...]) -> tuple[int | str, ...]:
+        for g in groups:
+            if isinstance(g, str):
+                try:
+                    grp.getgrnam(g)
+                except KeyError:
+                    raise ValueError(f"no group named {g!r} on this host; create it or use a gid") from None
+            elif g < 0:
+                raise ValueError(f"{g} is not a gid")
+        return groups
+
+    @property
+    def allow_gids(self) -> frozenset[int]:
+        return frozenset(g if isinstance(g, int) else grp.getgrnam(g).gr_gid for g in self.allow_groups)
 
     @field_validator("socket")
     @classmethod

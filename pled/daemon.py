@@ -1,21 +1,31 @@
-"""``pled serve``: preflight, stage every table, then hold the regions until SIGTERM.
+"""``pled serve``: preflight, stage every table, serve the regions until SIGTERM.
 
-Signal handlers only record the signal; the loop does the work (as gunicorn's
-arbiter does). Serving the regions to clients plugs into the same loop.
+The main thread runs one loop over the listening socket, the clients, the
+signal wakeup pipe and the staging thread's event pipe. Signal handlers only
+record the signal (as gunicorn's arbiter does). Staging runs in one worker
+thread (sendfile and read release the GIL), so clients are answered while a
+table is still being copied: they get io.pled.NotReady with the progress, or
+wait for the table if they asked to.
 """
 from __future__ import annotations
 
 import logging
 import os
+import queue
 import selectors
 import signal
+import threading
 import time
+from dataclasses import asdict, dataclass
 
 import psutil
 
-from . import preflight, region, staging
+from . import __version__, preflight, protocol, region, staging
+from .access import Policy
 from .config import Config
-from .errors import ConfigError
+from .errors import ConfigError, PledError
+from .pagecache import cached_bytes_fd
+from .server import PENDING, Connection, Reply, Server
 from .sidecar import Sidecar, open_table
 from .sizes import gib, rate
 
@@ -33,87 +43,257 @@ def run_preflight(config: Config, sidecars: dict[str, Sidecar], proc_root: str =
     return preflight.check(needs, config.headroom_margin, proc_root)
 
 
+@dataclass(eq=False)
+class TableState:
+    name: str
+    sidecar: Sidecar
+    manifest: region.Manifest
+    state: str = "waiting"  # waiting -> staging -> ready, or failed
+    shards_done: int = 0
+    bytes_done: int = 0
+    region: staging.Region | None = None
+    generation: int = 1
+    error: str = ""
+
+    def progress(self) -> dict:
+        return {
+            "table": self.name, "state": self.state, "shards_done": self.shards_done, "shards": len(self.manifest.shards),
+            "bytes_done": self.bytes_done, "bytes": self.manifest.source_bytes,
+        }
+
+    def status(self) -> dict:
+        out = {
+            **self.progress(), "layout": self.manifest.layout, "rows": self.manifest.rows,
+            "row_width": self.manifest.row_width, "region_bytes": self.manifest.region_bytes,
+            "generation": self.generation, "fingerprint": self.manifest.fingerprint, "error": self.error or None,
+        }
+        r = self.region
+        if r is not None and not r.closed:
+            stats = r.stats
+            out.update(
+                resident_bytes=cached_bytes_fd(r.fd),
+                huge_page_bytes=stats.huge_bytes if stats else None,
+                page_size="2 MiB" if stats and stats.huge_bytes else "4 KiB",
+                huge_page_policy=stats.fill.policy if stats else None,
+                huge_page_note=stats.fill.note if stats else "",
+                sealed=region.is_sealed(r.fd),
+                staging_seconds=round(stats.seconds, 3) if stats else None,
+            )
+            out["resident_share"] = out["resident_bytes"] / self.manifest.region_bytes if self.manifest.region_bytes else 1.0
+        return out
+
+
 class Daemon:
     def __init__(self, config: Config, *, proc_root: str = "/", sys_root: str = "/") -> None:
         self.config = config
         self.proc_root = proc_root
         self.sys_root = sys_root
-        self.regions: dict[str, staging.Region] = {}
+        self.tables: dict[str, TableState] = {}
+        self.server: Server | None = None
         self._signals: list[int] = []
+        self._stop = threading.Event()
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._waiters: dict[str, list[Connection]] = {}
         self._started = time.monotonic()
+        self._exit = 0
+        self._event_w = -1
 
     # Signal handlers record; the loop acts.
     def _on_signal(self, signum: int, frame) -> None:
         self._signals.append(signum)
 
     @property
-    def stopping(self) -> bool:
-        return any(s in (signal.SIGTERM, signal.SIGINT) for s in self._signals)
+    def regions(self) -> dict[str, staging.Region]:
+        return {n: t.region for n, t in self.tables.items() if t.region is not None}
 
     def run(self) -> int:
-        rfd, wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        old_wakeup = signal.set_wakeup_fd(wfd, warn_on_full_buffer=False)
+        wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        event_r, self._event_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        old_wakeup = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+        worker = None
         try:
-            log.info("pled %d starting with %s: %d table(s)", os.getpid(), self.config.source, len(self.config.tables))
-            self._stage_all()
-            if not self.stopping:
-                self._serve(rfd)
-            log.info("stopping: releasing %d table(s) (%s)", len(self.regions),
-                     gib(sum(r.manifest.region_bytes for r in self.regions.values())))
-            return 0
-        except staging.StagingCancelled as err:
-            log.info("%s; stopping", err)
-            return 0
+            log.info("pled %s (pid %d) starting with %s: %d table(s)", __version__, os.getpid(), self.config.source,
+                     len(self.config.tables))
+            self._prepare()
+            self.server = Server(self.config.socket, Policy.for_this_process(self.config.allow_uids, self.config.allow_gids),
+                                 self._handle, self._on_close)
+            log.info("listening on %s", self.config.socket)
+            worker = threading.Thread(target=self._stage_all, name="pled-staging", daemon=True)
+            worker.start()
+            self._loop(wake_r, event_r)
+            return self._exit
         finally:
-            for r in self.regions.values():
+            self._stop.set()
+            if worker is not None:
+                worker.join()
+                self._drain_events()
+            if self.server is not None:
+                self.server.close()
+            held = self.regions
+            if held:
+                log.info("stopping: releasing %d table(s) (%s)", len(held), gib(sum(r.manifest.region_bytes for r in held.values())))
+            for r in held.values():
                 r.close()
             for s, handler in old.items():
                 signal.signal(s, handler)
             signal.set_wakeup_fd(old_wakeup)
-            os.close(rfd)
-            os.close(wfd)
+            for fd in (wake_r, wake_w, event_r, self._event_w):
+                os.close(fd)
 
-    def _stage_all(self) -> None:
+    def _prepare(self) -> None:
         sidecars = open_tables(self.config)
         verdict = run_preflight(self.config, sidecars, self.proc_root)
         for problem in verdict.problems:
             log.warning("preflight could not read %s", problem)
-        if verdict.ok:
-            log.info("%s", verdict.message)
-        else:
-            log.error("%s", verdict.message)
+        (log.info if verdict.ok else log.error)("%s", verdict.message)
         verdict.raise_if_refused()
         for name, sidecar in sidecars.items():
-            n = len(sidecar.shards)
+            self.tables[name] = TableState(name, sidecar, region.plan(name, sidecar))
 
-            def on_shard(shard, offset, seconds, name=name, n=n):
-                log.info("table %s: shard %d/%d %s %s in %.0f ms (%s)", name, shard.index + 1, n, shard.name,
+    # -- staging (worker thread) -------------------------------------------------------------
+
+    def _stage_all(self) -> None:
+        for t in self.tables.values():
+            if self._stop.is_set():
+                break
+            t.state = "staging"
+            n = len(t.manifest.shards)
+
+            def on_shard(shard, offset, seconds, t=t, n=n):
+                t.shards_done += 1
+                t.bytes_done += shard.size
+                log.info("table %s: shard %d/%d %s %s in %.0f ms (%s)", t.name, shard.index + 1, n, shard.name,
                          gib(shard.size), seconds * 1000, rate(shard.size, seconds))
 
-            r = staging.stage(name, sidecar, huge_pages=self.config.huge_pages, sys_root=self.sys_root,
-                              on_shard=on_shard, should_stop=lambda: self.stopping)
-            self.regions[name] = r
-            log.info("%s", staging.describe_ready(r))
+            try:
+                r = staging.stage(t.name, t.sidecar, huge_pages=self.config.huge_pages, sys_root=self.sys_root,
+                                  on_shard=on_shard, should_stop=self._stop.is_set,
+                                  bandwidth=self.config.staging_bandwidth)
+            except staging.StagingCancelled as err:
+                self._post(("cancelled", t, str(err)))
+                return
+            except (PledError, OSError) as err:
+                self._post(("failed", t, err))
+                return
+            self._post(("ready", t, r))
 
-    def _serve(self, wakeup_fd: int) -> None:
-        total = sum(r.manifest.region_bytes for r in self.regions.values())
-        rss = psutil.Process().memory_info().rss
-        log.info("ready: %d table(s), %s in sealed memfds, staged in %.1f s; pled's own memory %s RSS",
-                 len(self.regions), gib(total), time.monotonic() - self._started, gib(rss))
+    def _post(self, event) -> None:
+        self._events.put(event)
+        os.write(self._event_w, b"!")
+
+    # -- the loop (main thread) --------------------------------------------------------------
+
+    def _loop(self, wake_r: int, event_r: int) -> None:
         with selectors.DefaultSelector() as sel:
-            sel.register(wakeup_fd, selectors.EVENT_READ)
-            while not self.stopping:
-                for key, _ in sel.select(timeout=None):
-                    if key.fd == wakeup_fd:
-                        self._drain(wakeup_fd)
+            sel.register(wake_r, selectors.EVENT_READ, lambda mask: self._on_wakeup(wake_r))
+            sel.register(event_r, selectors.EVENT_READ, lambda mask: (self._empty(event_r), self._drain_events()))
+            self.server.register(sel)
+            try:
+                while not self._stop.is_set():
+                    for key, mask in sel.select(timeout=1.0):
+                        key.data(mask)
+                        if self._stop.is_set():
+                            break
+                    self.server.expire()
+            finally:
+                self.server.unregister()
 
-    def _drain(self, wakeup_fd: int) -> None:
+    @staticmethod
+    def _empty(fd: int) -> None:
         try:
-            while os.read(wakeup_fd, 512):
+            while os.read(fd, 4096):
                 pass
         except BlockingIOError:
             pass
-        while self._signals and self._signals[0] == signal.SIGHUP:
-            self._signals.pop(0)
-            log.info("SIGHUP: nothing to reload yet; tables stay as they are")
+
+    def _on_wakeup(self, wake_r: int) -> None:
+        self._empty(wake_r)
+        while self._signals:
+            signum = self._signals.pop(0)
+            if signum in (signal.SIGTERM, signal.SIGINT):
+                log.info("%s: stopping", signal.Signals(signum).name)
+                self._stop.set()
+            elif signum == signal.SIGHUP:
+                log.info("SIGHUP: nothing to reload yet; tables stay as they are")
+
+    def _drain_events(self) -> None:
+        while True:
+            try:
+                kind, t, payload = self._events.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "ready":
+                t.region, t.state = payload, "ready"
+                log.info("%s", staging.describe_ready(payload))
+                if self.server is not None:
+                    for conn in self._waiters.pop(t.name, []):
+                        self.server.send(conn, self._attach(conn, t))
+                if all(x.state == "ready" for x in self.tables.values()):
+                    self._on_all_ready()
+            elif kind == "failed":
+                t.state, t.error = "failed", str(payload)
+                log.error("staging table %s failed: %s", t.name, payload)
+                self._exit = getattr(payload, "exit_status", 1) or 1
+                self._stop.set()
+            else:
+                t.state = "waiting"
+                log.info("%s", payload)
+
+    def _on_all_ready(self) -> None:
+        total = sum(t.manifest.region_bytes for t in self.tables.values())
+        rss = psutil.Process().memory_info().rss
+        log.info("ready: %d table(s), %s in sealed memfds, in %.1f s; pled's own memory %s RSS; serving on %s",
+                 len(self.tables), gib(total), time.monotonic() - self._started, gib(rss), self.config.socket)
+
+    # -- calls -------------------------------------------------------------------------------
+
+    def _handle(self, conn: Connection, method: str, params: dict):
+        if method == protocol.PING:
+            return Reply(protocol.reply())
+        if method == protocol.STATUS:
+            return Reply(protocol.reply(**self.status()))
+        if method == protocol.ATTACH:
+            name = params.get("table")
+            if not isinstance(name, str):
+                return Reply(protocol.error(protocol.INVALID_PARAMETER, parameter="table"))
+            t = self.tables.get(name)
+            if t is None:
+                return Reply(protocol.error(protocol.NO_SUCH_TABLE, table=name, tables=sorted(self.tables)))
+            if t.state != "ready":
+                if params.get("wait") is True and t.state != "failed":
+                    self._waiters.setdefault(name, []).append(conn)
+                    return PENDING
+                return Reply(protocol.error(protocol.NOT_READY, **t.progress()))
+            return self._attach(conn, t)
+        return Reply(protocol.error(protocol.METHOD_NOT_FOUND, method=method))
+
+    def _attach(self, conn: Connection, t: TableState) -> Reply:
+        first = t.name not in conn.attached
+        conn.attached[t.name] = t.generation
+        if first:
+            log.info("client attached: table %s generation %d to %s; %d client(s) attached",
+                     t.name, t.generation, conn.peer.describe(), self._attached_count())
+        return Reply(protocol.reply(table=t.name, generation=t.generation, manifest=asdict(t.manifest)), fds=(t.region.fd,))
+
+    def _attached_count(self) -> int:
+        return sum(1 for c in self.server.connections.values() if c.attached)
+
+    def _on_close(self, conn: Connection) -> None:
+        for waiting in self._waiters.values():
+            if conn in waiting:
+                waiting.remove(conn)
+        if conn.attached:
+            log.info("client detached: %s (table %s); %d client(s) attached", conn.peer.describe(),
+                     ", ".join(conn.attached), self._attached_count())
+
+    def status(self) -> dict:
+        clients = [
+            {"pid": c.peer.pid, "uid": c.peer.uid, "command": c.peer.command, "tables": sorted(c.attached),
+             "connected_seconds": round(time.monotonic() - c.since, 1)}
+            for c in (self.server.connections.values() if self.server else ()) if c.attached
+        ]
+        return {
+            "version": __version__, "pid": os.getpid(), "uptime_seconds": round(time.monotonic() - self._started, 1),
+            "socket": self.config.socket, "tables": [t.status() for t in self.tables.values()], "clients": clients,
+        }

@@ -51,11 +51,16 @@ def _mincore(fd: int, size: int) -> int:
         m.close()
 
 
+def cached_bytes_fd(fd: int) -> int:
+    """Bytes of the file behind ``fd`` in memory: page cache for a file, resident pages for a memfd."""
+    found = _cachestat(fd)
+    return found if found is not None else _mincore(fd, os.fstat(fd).st_size)
+
+
 def cached_bytes(path: str) -> int:
     """Bytes of ``path`` now in the page cache (whole pages, so up to a page more than the file)."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        found = _cachestat(fd)
-        return found if found is not None else _mincore(fd, os.fstat(fd).st_size)
+        return cached_bytes_fd(fd)
     finally:
         os.close(fd)

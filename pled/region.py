@@ -32,7 +32,7 @@ _PREFIX = struct.Struct("<8sIIQQ32s")  # 64 bytes
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
 
 
-def _align(n: int) -> int:
+def align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
@@ -99,12 +99,12 @@ def plan(table: str, sidecar) -> Manifest:
             shards.append(ShardEntry(s.index, s.path, s.size, s.mtime_ns, s.dev, s.ino, s.header.fingerprint, offset, s.rows))
             for t in s.header.tensors:
                 tensors.append(TensorEntry(t.name, s.index, t.dtype, t.shape, offset + t.begin, t.nbytes))
-            offset = _align(offset + s.size)
+            offset = align(offset + s.size)
         manifest = Manifest(table, sidecar.layout, sidecar.rows, sidecar.row_width, data_offset, offset,
                             fingerprint, tuple(shards), tuple(tensors))
         if _PREFIX.size + len(manifest.to_json()) <= data_offset:
             return manifest
-        data_offset = _align(_PREFIX.size + len(manifest.to_json()))
+        data_offset = align(_PREFIX.size + len(manifest.to_json()))
 
 
 def encode_header(manifest: Manifest) -> bytes:

@@ -118,7 +118,30 @@ def _address(m: mmap.mmap) -> int:
         del anchor
 
 
-def _copy_shard(shard: Shard, offset: int, fd: int, view: memoryview | None, should_stop: Callable[[], bool], table: str) -> None:
+class Pacer:
+    """Holds staging to ``bandwidth`` bytes/s on average (the config's staging_bandwidth), so that
+    pled does not take the whole disk from a vLLM that is loading its checkpoint meanwhile."""
+
+    def __init__(self, bandwidth: int | None, should_stop: Callable[[], bool]) -> None:
+        self.bandwidth = bandwidth
+        self.should_stop = should_stop
+        self.chunk = CHUNK if not bandwidth else max(1 << 20, min(CHUNK, bandwidth // 8))
+        self._start = time.monotonic()
+        self._done = 0
+
+    def account(self, nbytes: int) -> None:
+        if not self.bandwidth:
+            return
+        self._done += nbytes
+        due = self._start + self._done / self.bandwidth
+        while not self.should_stop():
+            left = due - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(left, 0.05))
+
+
+def _copy_shard(shard: Shard, offset: int, fd: int, view: memoryview | None, pacer: Pacer, table: str) -> None:
     try:
         src = os.open(shard.path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as err:
@@ -130,9 +153,9 @@ def _copy_shard(shard: Shard, offset: int, fd: int, view: memoryview | None, sho
             os.lseek(fd, offset, os.SEEK_SET)
         done = 0
         while done < shard.size:
-            if should_stop():
+            if pacer.should_stop():
                 raise StagingCancelled(f"staging of table {table} cancelled at {shard.name}")
-            want = min(CHUNK, shard.size - done)
+            want = min(pacer.chunk, shard.size - done)
             if view is None:
                 got = os.sendfile(fd, src, done, want)
             else:
@@ -141,6 +164,7 @@ def _copy_shard(shard: Shard, offset: int, fd: int, view: memoryview | None, sho
                 raise StagingError(table, f"{shard.path} ended at byte {done} of {shard.size}: it was truncated while staging")
             _drop_cache(src, done, got, shard.path)
             done += got
+            pacer.account(got)
         _drop_cache(src, 0, 0, shard.path)  # readahead may have brought in pages past the last chunk
         _check_unchanged(src, shard, table)
     except OSError as err:
@@ -168,6 +192,7 @@ def stage(
     sys_root: str = "/",
     on_shard: Callable[[Shard, int, float], None] | None = None,
     should_stop: Callable[[], bool] = lambda: False,
+    bandwidth: int | None = None,
 ) -> Region:
     """Stage ``sidecar`` into a new sealed memfd; the caller owns the returned Region."""
     manifest = region.plan(table, sidecar)
@@ -176,7 +201,7 @@ def stage(
     try:
         os.ftruncate(fd, manifest.region_bytes)
         start = time.perf_counter()
-        huge_bytes = _fill(fd, manifest, sidecar, fill, on_shard, should_stop, table)
+        huge_bytes = _fill(fd, manifest, sidecar, fill, on_shard, Pacer(bandwidth, should_stop), table)
         seconds = time.perf_counter() - start
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, region.SEALS)
     except BaseException:
@@ -185,20 +210,24 @@ def stage(
     return Region(fd, manifest, StageStats(seconds, huge_bytes, fill))
 
 
-def _fill(fd, manifest, sidecar, fill, on_shard, should_stop, table) -> int:
+def _fill(fd, manifest, sidecar, fill, on_shard, pacer, table) -> int:
     header = region.encode_header(manifest)
     m = view = None
     if fill.method == FAULT:
         m = mmap.mmap(fd, manifest.region_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         m.madvise(mmap.MADV_HUGEPAGE)
         view = memoryview(m)
-        view[: len(header)] = header
-    else:
-        os.pwrite(fd, header, 0)
     try:
+        _write(fd, view, 0, header)
+        _write(fd, view, len(header), bytes(manifest.data_offset - len(header)))
         for shard, entry in zip(sidecar.shards, manifest.shards):
             t = time.perf_counter()
-            _copy_shard(shard, entry.offset, fd, view, should_stop, table)
+            _copy_shard(shard, entry.offset, fd, view, pacer, table)
+            # Zero the alignment padding too: every page of the region is then allocated once, here,
+            # so the region is exactly as large as the preflight said, and a client's read of a
+            # padding page never allocates one on its own account.
+            end = entry.offset + entry.size
+            _write(fd, view, end, bytes(region.align(end) - end))
             if on_shard:
                 on_shard(shard, entry.offset, time.perf_counter() - t)
         return hugepages.pmd_mapped_bytes(_address(m)) if m is not None else 0
@@ -208,6 +237,15 @@ def _fill(fd, manifest, sidecar, fill, on_shard, should_stop, table) -> int:
             view.release()
         if m is not None:
             m.close()
+
+
+def _write(fd: int, view: memoryview | None, offset: int, data: bytes) -> None:
+    if not data:
+        return
+    if view is not None:
+        view[offset : offset + len(data)] = data
+    elif os.pwrite(fd, data, offset) != len(data):
+        raise OSError(f"short write to the region at offset {offset}")
 
 
 def describe_ready(r: Region) -> str:

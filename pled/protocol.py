@@ -1,0 +1,91 @@
+"""pled's wire format: Varlink-shaped JSON on a Unix stream socket.
+
+Each message is one JSON object followed by a NUL byte. A call is
+``{"method": "io.pled.Attach", "parameters": {...}}``; a reply is
+``{"parameters": {...}}`` or ``{"error": "io.pled.NoSuchTable", "parameters": {...}}``.
+An Attach reply carries the table's memfd as SCM_RIGHTS ancillary data.
+See docs/protocol.md. Shared by the daemon and its clients: standard library only.
+"""
+from __future__ import annotations
+
+import json
+
+INTERFACE = "io.pled"
+ATTACH = "io.pled.Attach"
+STATUS = "io.pled.Status"
+PING = "io.pled.Ping"
+
+NO_SUCH_TABLE = "io.pled.NoSuchTable"
+NOT_READY = "io.pled.NotReady"
+PERMISSION_DENIED = "io.pled.PermissionDenied"
+INVALID_MESSAGE = "io.pled.InvalidMessage"
+METHOD_NOT_FOUND = "org.varlink.service.MethodNotFound"
+INVALID_PARAMETER = "org.varlink.service.InvalidParameter"
+
+MAX_CALL = 64 * 1024  # a call is a method name and a table name: anything bigger is refused
+MAX_REPLY = 64 * 1024 * 1024  # a manifest of thousands of tensors, with room to spare
+
+
+class MessageTooLong(ValueError):
+    pass
+
+
+def encode(message: dict) -> bytes:
+    return json.dumps(message, separators=(",", ":")).encode() + b"\0"
+
+
+def call(method: str, **parameters) -> bytes:
+    return encode({"method": method, "parameters": parameters})
+
+
+def reply(**parameters) -> dict:
+    return {"parameters": parameters}
+
+
+def error(name: str, **parameters) -> dict:
+    return {"error": name, "parameters": parameters}
+
+
+class Framer:
+    """Splits a byte stream into NUL-terminated messages, refusing any longer than ``limit``."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._buf = bytearray()
+
+    @property
+    def pending(self) -> int:
+        """Bytes of an incomplete message waiting for the rest."""
+        return len(self._buf)
+
+    def feed(self, data: bytes) -> list[bytes]:
+        self._buf += data
+        messages = []
+        while True:
+            end = self._buf.find(b"\0")
+            if end < 0:
+                break
+            if end > self.limit:
+                raise MessageTooLong(f"message of {end} bytes exceeds the {self.limit}-byte limit")
+            messages.append(bytes(self._buf[:end]))
+            del self._buf[: end + 1]
+        if len(self._buf) > self.limit:
+            raise MessageTooLong(f"message over {self.limit} bytes without a terminating NUL")
+        return messages
+
+
+def parse_call(raw: bytes) -> tuple[str, dict]:
+    """(method, parameters) of a call; ValueError says what is wrong with it."""
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"not JSON: {err}") from err
+    if not isinstance(doc, dict):
+        raise ValueError("a call must be a JSON object")
+    method = doc.get("method")
+    if not isinstance(method, str):
+        raise ValueError('a call needs "method", a string')
+    parameters = doc.get("parameters", {})
+    if not isinstance(parameters, dict):
+        raise ValueError('"parameters" must be an object')
+    return method, parameters
