@@ -1,6 +1,8 @@
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -32,8 +34,72 @@ def run_pled(*args, env=None, timeout=60, **kw) -> subprocess.CompletedProcess:
 
 
 def write_config(path: Path, tables: dict[str, Path | str], **keys) -> Path:
-    lines = [f"{k} = {v!r}" if isinstance(v, str) else f"{k} = {v}" for k, v in keys.items()]
+    lines = [f"{k} = {v!r}" if isinstance(v, (str, list)) else f"{k} = {v}" for k, v in keys.items()]
     for name, p in tables.items():
         lines += ["[[table]]", f'name = "{name}"', f'path = "{p}"']
     path.write_text("\n".join(lines).replace("'", '"') + "\n")
     return path
+
+
+class Daemon:
+    """A real `pled serve` process, its log, and its socket."""
+
+    def __init__(self, config: Path, socket: str):
+        self.config, self.socket = config, socket
+        env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "JOURNAL_STREAM")}
+        self.log_path = config.with_suffix(f".{time.monotonic_ns()}.log")
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "pled", "serve", "-c", str(config)],
+                                     stderr=self._log, stdout=subprocess.DEVNULL, env=env)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_for(self, text: str, timeout: float = 60) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            log = self.log()
+            if text in log:
+                return log
+            if self.proc.poll() is not None:
+                raise AssertionError(f"pled exited ({self.proc.returncode}) before logging {text!r}:\n{log}")
+            time.sleep(0.02)
+        raise AssertionError(f"{text!r} not logged within {timeout} s:\n{self.log()}")
+
+    def fds(self) -> int:
+        return len(os.listdir(f"/proc/{self.pid}/fd"))
+
+    def stop(self, sig=signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    """start(tables, **config keys) -> a running Daemon that is ready; all are stopped afterwards."""
+    started = []
+
+    def start(tables: dict, wait: str | None = "ready:", socket: str | None = None, **keys) -> Daemon:
+        sock = socket or str(tmp_path / f"run{len(started)}" / "pled.sock")
+        keys.setdefault("headroom_margin", 0)
+        cfg = write_config(tmp_path / f"pled{len(started)}.toml", tables, socket=sock, **keys)
+        d = Daemon(cfg, sock)
+        started.append(d)
+        if wait:
+            d.wait_for(wait)
+        return d
+
+    yield start
+    for d in started:
+        d.stop()
