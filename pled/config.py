@@ -107,6 +107,8 @@ class Config(BaseModel):
     def _absolute(cls, value: str) -> str:
         if not value.startswith("/"):
             raise ValueError(f"{value!r} must be an absolute path")
+        if len(value.encode()) > 107:  # sun_path is 108 bytes with its terminating NUL
+            raise ValueError(f"{value!r} is {len(value.encode())} bytes; a Unix socket path may have at most 107")
         return value
 
     @field_validator("tables")

@@ -34,6 +34,8 @@ def run_pled(*args, env=None, timeout=60, **kw) -> subprocess.CompletedProcess:
 
 
 def write_config(path: Path, tables: dict[str, Path | str], **keys) -> Path:
+    """A pled.toml for a test; its socket is beside it, never the host's /run/pled."""
+    keys.setdefault("socket", str(path.parent / "run" / "pled.sock"))
     lines = [f"{k} = {v!r}" if isinstance(v, (str, list)) else f"{k} = {v}" for k, v in keys.items()]
     for name, p in tables.items():
         lines += ["[[table]]", f'name = "{name}"', f'path = "{p}"']

@@ -31,6 +31,7 @@ def test_relative_table_path_is_taken_from_the_config_directory(tmp_path):
         ("headroom_margin = 'lots'", "headroom_margin", "not a size"),
         ("headroom_margin = -1", "headroom_margin", "negative"),
         ("socket = 'relative.sock'", "socket", "absolute"),
+        ("socket = '/run/" + "x" * 120 + "'", "socket", "at most 107"),
         ("[[table]]\nname = 'a b'\npath = '/x'", "table[0].name", "table name"),
         ("[[table]]\nname = 'a'", "table[0].path", "Field required"),
         ("[[table]]\nname = 'a'\npath = '/x'\ncolour = 1", "table[0].colour", "unknown key"),

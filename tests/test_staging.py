@@ -90,6 +90,17 @@ def test_policy_is_read_from_sysfs(tmp_path):
     assert hugepages.read_policy(str(tmp_path / "nothing")) is None
 
 
+def test_the_whole_region_is_resident_padding_included(sidecar):
+    """Alignment padding is zeroed while staging: the region is exactly as big as the preflight said,
+    and a client touching a padding page never allocates one on its own account."""
+    from pled.pagecache import cached_bytes_fd
+
+    with stage(sidecar("ples_int4", shards=3, rows=3001)) as r:
+        assert cached_bytes_fd(r.fd) == r.manifest.region_bytes
+        last = r.manifest.shards[-1]
+        assert os.pread(r.fd, 4096, region.align(last.offset + last.size) - 4096)[-100:] == bytes(100)
+
+
 def test_sealed_region_cannot_be_written_resized_or_mapped_writable(sidecar):
     with stage(sidecar(shards=2, rows=100)) as r:
         seals = region.seals(r.fd)
