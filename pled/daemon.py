@@ -1,11 +1,12 @@
-"""``pled serve``: preflight, stage every table, serve the regions until SIGTERM.
+"""``pled serve``: preflight, adopt or stage every table, serve the regions until SIGTERM.
 
 The main thread runs one loop over the listening socket, the clients, the
-signal wakeup pipe and the staging thread's event pipe. Signal handlers only
-record the signal (as gunicorn's arbiter does). Staging runs in one worker
-thread (sendfile and read release the GIL), so clients are answered while a
-table is still being copied: they get io.pled.NotReady with the progress, or
-wait for the table if they asked to.
+signal wakeup pipe and the staging thread's event pipe, and on each tick feeds
+systemd (STATUS=, EXTEND_TIMEOUT_USEC= while staging makes progress, WATCHDOG=1)
+and checks residency. Signal handlers only record the signal (as gunicorn's
+arbiter does). Staging runs in one worker thread (sendfile and read release the
+GIL), so clients are answered while a table is still being copied: they get
+io.pled.NotReady with the progress, or wait for the table if they asked to.
 """
 from __future__ import annotations
 
@@ -20,16 +21,21 @@ from dataclasses import asdict, dataclass
 
 import psutil
 
-from . import __version__, preflight, protocol, region, staging
+from . import __version__, fdstore, notify, preflight, protocol, region, staging
 from .access import Policy
 from .config import Config
 from .errors import ConfigError, PledError
 from .pagecache import cached_bytes_fd
+from .region import Region
 from .server import PENDING, Connection, Reply, Server
 from .sidecar import Sidecar, open_table
 from .sizes import gib, rate
 
 log = logging.getLogger(__name__)
+
+EXTEND_BY = 30.0  # seconds of TimeoutStartSec granted each time staging shows progress
+EXTEND_EVERY = 5.0
+RESIDENCY_EVERY = 60.0
 
 
 def open_tables(config: Config) -> dict[str, Sidecar]:
@@ -48,12 +54,14 @@ class TableState:
     name: str
     sidecar: Sidecar
     manifest: region.Manifest
-    state: str = "waiting"  # waiting -> staging -> ready, or failed
-    shards_done: int = 0
-    bytes_done: int = 0
-    region: staging.Region | None = None
     generation: int = 1
+    state: str = "waiting"  # waiting -> staging -> ready, or failed
+    origin: str = "staged"  # or "adopted" from systemd's fd store
+    shards_done: int = 0
+    bytes_done: int = 0  # bytes copied from the sources by this process
+    region: Region | None = None
     error: str = ""
+    resident_share: float | None = None  # at the last check
 
     def progress(self) -> dict:
         return {
@@ -61,9 +69,13 @@ class TableState:
             "bytes_done": self.bytes_done, "bytes": self.manifest.source_bytes,
         }
 
+    def measure(self) -> float:
+        self.resident_share = cached_bytes_fd(self.region.fd) / self.manifest.region_bytes
+        return self.resident_share
+
     def status(self) -> dict:
         out = {
-            **self.progress(), "layout": self.manifest.layout, "rows": self.manifest.rows,
+            **self.progress(), "origin": self.origin, "layout": self.manifest.layout, "rows": self.manifest.rows,
             "row_width": self.manifest.row_width, "region_bytes": self.manifest.region_bytes,
             "generation": self.generation, "fingerprint": self.manifest.fingerprint, "error": self.error or None,
         }
@@ -73,37 +85,44 @@ class TableState:
             out.update(
                 resident_bytes=cached_bytes_fd(r.fd),
                 huge_page_bytes=stats.huge_bytes if stats else None,
-                page_size="2 MiB" if stats and stats.huge_bytes else "4 KiB",
+                page_size=("2 MiB" if stats.huge_bytes else "4 KiB") if stats else None,
                 huge_page_policy=stats.fill.policy if stats else None,
                 huge_page_note=stats.fill.note if stats else "",
                 sealed=region.is_sealed(r.fd),
                 staging_seconds=round(stats.seconds, 3) if stats else None,
             )
-            out["resident_share"] = out["resident_bytes"] / self.manifest.region_bytes if self.manifest.region_bytes else 1.0
+            out["resident_share"] = out["resident_bytes"] / self.manifest.region_bytes
         return out
 
 
 class Daemon:
-    def __init__(self, config: Config, *, proc_root: str = "/", sys_root: str = "/") -> None:
+    def __init__(self, config: Config, *, proc_root: str = "/", sys_root: str = "/", env: dict | None = None) -> None:
         self.config = config
         self.proc_root = proc_root
         self.sys_root = sys_root
+        self.env = os.environ if env is None else env
         self.tables: dict[str, TableState] = {}
         self.server: Server | None = None
+        self.notifier = notify.Notifier(self.env)
         self._signals: list[int] = []
         self._stop = threading.Event()
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._waiters: dict[str, list[Connection]] = {}
         self._started = time.monotonic()
+        self._ready = False
         self._exit = 0
         self._event_w = -1
+        self._next_watchdog = 0.0
+        self._next_residency = 0.0
+        self._extended = (0.0, -1)  # (when, bytes_done) at the last EXTEND_TIMEOUT_USEC
+        self._status_sent = ""
 
     # Signal handlers record; the loop acts.
     def _on_signal(self, signum: int, frame) -> None:
         self._signals.append(signum)
 
     @property
-    def regions(self) -> dict[str, staging.Region]:
+    def regions(self) -> dict[str, Region]:
         return {n: t.region for n, t in self.tables.items() if t.region is not None}
 
     def run(self) -> int:
@@ -115,12 +134,14 @@ class Daemon:
         try:
             log.info("pled %s (pid %d) starting with %s: %d table(s)", __version__, os.getpid(), self.config.source,
                      len(self.config.tables))
-            self._prepare()
+            self._prepare(notify.listen_fds(self.env))
             self.server = Server(self.config.socket, Policy.for_this_process(self.config.allow_uids, self.config.allow_gids),
                                  self._handle, self._on_close)
             log.info("listening on %s", self.config.socket)
             worker = threading.Thread(target=self._stage_all, name="pled-staging", daemon=True)
             worker.start()
+            if all(t.state == "ready" for t in self.tables.values()):
+                self._on_all_ready()
             self._loop(wake_r, event_r)
             return self._exit
         finally:
@@ -132,29 +153,52 @@ class Daemon:
                 self.server.close()
             held = self.regions
             if held:
-                log.info("stopping: releasing %d table(s) (%s)", len(held), gib(sum(r.manifest.region_bytes for r in held.values())))
+                stored = " (systemd's fd store keeps them for the next start)" if self.notifier.enabled else ""
+                log.info("stopped: released %d table(s), %s%s", len(held),
+                         gib(sum(r.manifest.region_bytes for r in held.values())), stored)
             for r in held.values():
                 r.close()
+            self.notifier.close()
             for s, handler in old.items():
                 signal.signal(s, handler)
             signal.set_wakeup_fd(old_wakeup)
             for fd in (wake_r, wake_w, event_r, self._event_w):
                 os.close(fd)
 
-    def _prepare(self) -> None:
-        sidecars = open_tables(self.config)
-        verdict = run_preflight(self.config, sidecars, self.proc_root)
+    def _prepare(self, stored: list[notify.StoredFd]) -> None:
+        try:
+            sidecars = open_tables(self.config)
+        except PledError:
+            for item in stored:  # keep systemd's copies: a fixed config may adopt them next time
+                os.close(item.fd)
+            raise
+        planned = {name: region.plan(name, s) for name, s in sidecars.items()}
+        sorted_fds = fdstore.sort_stored(stored, planned, self.notifier)
+        for name, sidecar in sidecars.items():
+            t = TableState(name, sidecar, planned[name], generation=sorted_fds.generations.get(name, 1))
+            if name in sorted_fds.adopted:
+                t.region, t.generation = sorted_fds.adopted[name]
+                t.state, t.origin, t.shards_done = "ready", "adopted", len(t.manifest.shards)
+                log.info("table %s adopted from systemd's fd store: generation %d, %s, 0 bytes copied, sources unchanged",
+                         name, t.generation, gib(t.manifest.region_bytes))
+            self.tables[name] = t
+        to_stage = {n: sidecars[n] for n, t in self.tables.items() if t.state != "ready"}
+        if not to_stage:
+            return
+        verdict = run_preflight(self.config, to_stage, self.proc_root)
         for problem in verdict.problems:
             log.warning("preflight could not read %s", problem)
         (log.info if verdict.ok else log.error)("%s", verdict.message)
+        if not verdict.ok:
+            self.notifier.status(verdict.message)
         verdict.raise_if_refused()
-        for name, sidecar in sidecars.items():
-            self.tables[name] = TableState(name, sidecar, region.plan(name, sidecar))
 
     # -- staging (worker thread) -------------------------------------------------------------
 
     def _stage_all(self) -> None:
         for t in self.tables.values():
+            if t.state == "ready":
+                continue
             if self._stop.is_set():
                 break
             t.state = "staging"
@@ -185,19 +229,67 @@ class Daemon:
     # -- the loop (main thread) --------------------------------------------------------------
 
     def _loop(self, wake_r: int, event_r: int) -> None:
+        tick = min(1.0, self.notifier.watchdog_interval or 1.0)
         with selectors.DefaultSelector() as sel:
             sel.register(wake_r, selectors.EVENT_READ, lambda mask: self._on_wakeup(wake_r))
             sel.register(event_r, selectors.EVENT_READ, lambda mask: (self._empty(event_r), self._drain_events()))
             self.server.register(sel)
             try:
                 while not self._stop.is_set():
-                    for key, mask in sel.select(timeout=1.0):
+                    for key, mask in sel.select(timeout=tick):
                         key.data(mask)
                         if self._stop.is_set():
                             break
                     self.server.expire()
+                    self._tick(time.monotonic())
             finally:
                 self.server.unregister()
+
+    def _tick(self, now: float) -> None:
+        """Once per loop turn: feed the watchdog, report progress, check residency."""
+        if self.notifier.watchdog_interval and now >= self._next_watchdog and self._healthy():
+            self.notifier.watchdog()
+            self._next_watchdog = now + self.notifier.watchdog_interval
+        staging_now = [t for t in self.tables.values() if t.state == "staging"]
+        if staging_now:
+            t = staging_now[0]
+            when, done = self._extended
+            if t.bytes_done != done and now - when >= EXTEND_EVERY:
+                # Only while bytes keep arriving: a disk that hangs still trips TimeoutStartSec.
+                self.notifier.extend_timeout(EXTEND_BY)
+                self._extended = (now, t.bytes_done)
+            self._set_status(f"staging {t.name}: shard {t.shards_done}/{len(t.manifest.shards)}, "
+                             f"{gib(t.bytes_done)} of {gib(t.manifest.source_bytes)}")
+        elif self._ready and now >= self._next_residency:
+            self._next_residency = now + RESIDENCY_EVERY
+            self._check_residency()
+
+    def _healthy(self) -> bool:
+        return not any(t.state == "failed" for t in self.tables.values())
+
+    def _check_residency(self) -> None:
+        for t in self.tables.values():
+            if t.region is None:
+                continue
+            share = t.measure()
+            if share < 0.9995:
+                log.warning("table %s is only %.1f%% resident (%s of %s); its pages were swapped out: set "
+                            "MemorySwapMax=0 for pled.service or turn swap off", t.name, share * 100,
+                            gib(share * t.manifest.region_bytes), gib(t.manifest.region_bytes))
+        self._set_status(self._serving_status())
+
+    def _serving_status(self) -> str:
+        tables = list(self.tables.values())
+        total = sum(t.manifest.region_bytes for t in tables)
+        shares = [t.resident_share for t in tables if t.resident_share is not None]
+        resident = f", {min(shares):.0%} resident" if shares else ""
+        clients = sum(1 for c in self.server.connections.values() if c.attached) if self.server else 0
+        return f"serving {len(tables)} table(s), {gib(total)}{resident}; {clients} client(s)"
+
+    def _set_status(self, text: str) -> None:
+        if text != self._status_sent:
+            self.notifier.status(text)
+            self._status_sent = text
 
     @staticmethod
     def _empty(fd: int) -> None:
@@ -213,6 +305,7 @@ class Daemon:
             signum = self._signals.pop(0)
             if signum in (signal.SIGTERM, signal.SIGINT):
                 log.info("%s: stopping", signal.Signals(signum).name)
+                self.notifier.stopping()
                 self._stop.set()
             elif signum == signal.SIGHUP:
                 log.info("SIGHUP: nothing to reload yet; tables stay as they are")
@@ -226,6 +319,8 @@ class Daemon:
             if kind == "ready":
                 t.region, t.state = payload, "ready"
                 log.info("%s", staging.describe_ready(payload))
+                if self.notifier.store_fd(payload.fd, notify.fd_name(t.name, t.generation)):
+                    log.info("table %s generation %d handed to systemd's fd store", t.name, t.generation)
                 if self.server is not None:
                     for conn in self._waiters.pop(t.name, []):
                         self.server.send(conn, self._attach(conn, t))
@@ -234,6 +329,7 @@ class Daemon:
             elif kind == "failed":
                 t.state, t.error = "failed", str(payload)
                 log.error("staging table %s failed: %s", t.name, payload)
+                self.notifier.status(f"failed: table {t.name}: {payload}")
                 self._exit = getattr(payload, "exit_status", 1) or 1
                 self._stop.set()
             else:
@@ -241,10 +337,22 @@ class Daemon:
                 log.info("%s", payload)
 
     def _on_all_ready(self) -> None:
-        total = sum(t.manifest.region_bytes for t in self.tables.values())
+        if self._stop.is_set() or self._ready:
+            return
+        self._ready = True
+        tables = list(self.tables.values())
+        total = sum(t.manifest.region_bytes for t in tables)
+        copied = sum(t.bytes_done for t in tables)
+        seconds = time.monotonic() - self._started
         rss = psutil.Process().memory_info().rss
-        log.info("ready: %d table(s), %s in sealed memfds, in %.1f s; pled's own memory %s RSS; serving on %s",
-                 len(self.tables), gib(total), time.monotonic() - self._started, gib(rss), self.config.socket)
+        for t in tables:
+            t.measure()
+        log.info("ready: %d table(s), %s in sealed memfds (%d adopted, %s copied) in %.1f s; pled's own memory %s RSS; "
+                 "serving on %s", len(tables), gib(total), sum(t.origin == "adopted" for t in tables), gib(copied),
+                 seconds, gib(rss), self.config.socket)
+        self._next_residency = time.monotonic() + RESIDENCY_EVERY
+        self.notifier.ready(self._serving_status())
+        self._status_sent = self._serving_status()
 
     # -- calls -------------------------------------------------------------------------------
 
@@ -274,6 +382,8 @@ class Daemon:
         if first:
             log.info("client attached: table %s generation %d to %s; %d client(s) attached",
                      t.name, t.generation, conn.peer.describe(), self._attached_count())
+            if self._ready:
+                self._set_status(self._serving_status())
         return Reply(protocol.reply(table=t.name, generation=t.generation, manifest=asdict(t.manifest)), fds=(t.region.fd,))
 
     def _attached_count(self) -> int:
@@ -286,6 +396,8 @@ class Daemon:
         if conn.attached:
             log.info("client detached: %s (table %s); %d client(s) attached", conn.peer.describe(),
                      ", ".join(conn.attached), self._attached_count())
+            if self._ready and not self._stop.is_set():
+                self._set_status(self._serving_status())
 
     def status(self) -> dict:
         clients = [

@@ -145,3 +145,43 @@ def is_sealed(fd: int) -> bool:
 def map_readonly(fd: int) -> mmap.mmap:
     """A shared, read-only mapping of the whole region: the same pages every client sees."""
     return mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+
+
+class Region:
+    """Owns one staged table's memfd. ``close()`` drops this handle and is safe to repeat."""
+
+    _fd = -1
+
+    def __init__(self, fd: int, manifest: Manifest, stats=None) -> None:
+        self._fd = fd
+        self.manifest = manifest
+        self.stats = stats  # pled.staging.StageStats where this process staged it; None where it was adopted
+
+    @property
+    def fd(self) -> int:
+        if self._fd < 0:
+            raise ValueError(f"region of table {self.manifest.table} is closed")
+        return self._fd
+
+    @property
+    def closed(self) -> bool:
+        return self._fd < 0
+
+    def release(self) -> int:
+        """Give up ownership: return the fd, which the caller must now close."""
+        fd, self._fd = self._fd, -1
+        return fd
+
+    def close(self) -> None:
+        fd = self.release()
+        if fd >= 0:
+            os.close(fd)
+
+    def __enter__(self) -> "Region":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()

@@ -20,7 +20,7 @@ from typing import Callable
 
 from . import hugepages, region
 from .errors import PledError, StagingError
-from .region import Manifest
+from .region import Manifest, Region
 from .sidecar import Shard, Sidecar
 from .sizes import gib, rate
 
@@ -65,41 +65,6 @@ class StageStats:
     seconds: float
     huge_bytes: int  # bytes of the region backed by 2 MiB pages, as mapped while filling
     fill: FillPlan
-
-
-class Region:
-    """Owns one staged table's memfd. ``close()`` drops this handle and is safe to repeat."""
-
-    _fd = -1
-
-    def __init__(self, fd: int, manifest: Manifest, stats: StageStats | None = None) -> None:
-        self._fd = fd
-        self.manifest = manifest
-        self.stats = stats
-
-    @property
-    def fd(self) -> int:
-        if self._fd < 0:
-            raise ValueError(f"region of table {self.manifest.table} is closed")
-        return self._fd
-
-    @property
-    def closed(self) -> bool:
-        return self._fd < 0
-
-    def close(self) -> None:
-        fd, self._fd = self._fd, -1
-        if fd >= 0:
-            os.close(fd)
-
-    def __enter__(self) -> "Region":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        self.close()
 
 
 def _drop_cache(fd: int, offset: int, length: int, path: str) -> None:

@@ -104,7 +104,7 @@ def test_serve_stages_holds_and_stops_on_sigterm(sidecar, tmp_path):
         proc.send_signal(signal.SIGTERM)
         rest = proc.communicate(timeout=30)[1]
         assert proc.returncode == 0
-        assert "stopping: releasing 2 table(s)" in rest
+        assert "stopped: released 2 table(s)" in rest
     finally:
         if proc.poll() is None:
             proc.kill()
