@@ -1,0 +1,284 @@
+"""pled against a notify socket this test binds itself, as systemd would: the messages, their order,
+the fd store, adoption at the next start, the watchdog, journald priorities.
+
+No systemd runs here: the socket is an AF_UNIX datagram socket with SO_PASSCRED, read with recvmsg
+(SCM_RIGHTS and SCM_CREDENTIALS), which is what systemd's manager does.
+"""
+import array
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import write_config
+from pled import client, protocol, region
+from pled.generator import make_sidecar
+from pled.pagecache import cached_bytes
+
+MiB = 1024**2
+
+
+class NotifySocket:
+    """Collects sd_notify datagrams: (sender pid, fields, fds)."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.path)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        self.sock.settimeout(0.2)
+        self.messages: list[tuple[int, list[str], list[int]]] = []
+        self._stop = False
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self):
+        fd_space = socket.CMSG_SPACE(253 * 4)
+        cred_space = socket.CMSG_SPACE(struct.calcsize("3i"))
+        while not self._stop:
+            try:
+                data, ancdata, flags, _ = self.sock.recvmsg(65536, fd_space + cred_space)
+            except (TimeoutError, socket.timeout):
+                continue
+            except OSError:
+                return
+            assert not flags & socket.MSG_CTRUNC
+            pid, fds = 0, []
+            for level, kind, payload in ancdata:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    a = array.array("i")
+                    a.frombytes(payload[: len(payload) - len(payload) % a.itemsize])
+                    fds += list(a)
+                elif level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+                    pid = struct.unpack("3i", payload[:12])[0]
+            self.messages.append((pid, data.decode().split("\n"), fds))
+
+    def lines(self, pid: int | None = None) -> list[str]:
+        return [line for p, fields, _ in self.messages if pid in (None, p) for line in fields]
+
+    def wait_for(self, line: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if line in self.lines():
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"{line!r} never arrived; got {self.lines()}")
+
+    def stored(self) -> list[tuple[str, int]]:
+        out = []
+        for _, fields, fds in self.messages:
+            if "FDSTORE=1" in fields:
+                name = next(f[len("FDNAME="):] for f in fields if f.startswith("FDNAME="))
+                out.append((name, fds[0]))
+        return out
+
+    def close(self):
+        self._stop = True
+        self._thread.join()
+        self.sock.close()
+        for _, _, fds in self.messages:
+            for fd in fds:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+
+@pytest.fixture
+def notify_socket(tmp_path):
+    n = NotifySocket(tmp_path / "notify.sock")
+    yield n
+    n.close()
+
+
+def serve(cfg: Path, env: dict, fds: list[tuple[int, str]] = (), log: Path | None = None) -> subprocess.Popen:
+    """pled serve as systemd starts it: LISTEN_PID is its own pid, stored fds at 3, 4, ..."""
+    env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "JOURNAL_STREAM", "WATCHDOG_USEC")} | env
+    redirect = " ".join(f"{3 + i}<&{fd}" for i, (fd, _) in enumerate(fds))
+    if fds:
+        env |= {"LISTEN_FDS": str(len(fds)), "LISTEN_FDNAMES": ":".join(n for _, n in fds)}
+    script = f'{"export LISTEN_PID=$$; " if fds else ""}exec "$0" -m pled serve -c "$1" {redirect}'
+    stderr = open(log, "w") if log else subprocess.DEVNULL
+    return subprocess.Popen(["bash", "-c", script, sys.executable, str(cfg)], env=env, pass_fds=[fd for fd, _ in fds],
+                            stderr=stderr)
+
+
+def stop(proc: subprocess.Popen) -> int:
+    proc.terminate()
+    return proc.wait(timeout=30)
+
+
+def test_notify_order_and_fd_store(sidecar, tmp_path, notify_socket):
+    d = sidecar("ples_int4", shards=4, rows=40_000)  # 16 MB, staged at 8 MB/s: about 2 s
+    cfg = write_config(tmp_path / "pled.toml", {"t": d}, headroom_margin=0, staging_bandwidth="8MB/s")
+    proc = serve(cfg, {"NOTIFY_SOCKET": notify_socket.path})
+    try:
+        notify_socket.wait_for("READY=1")
+        assert client.call(protocol.PING, socket=str(tmp_path / "run/pled.sock")) == {}
+    finally:
+        assert stop(proc) == 0
+    notify_socket.wait_for("STOPPING=1")
+    lines = notify_socket.lines()
+    assert {p for p, _, _ in notify_socket.messages} == {proc.pid}  # every message from the main process
+    staging = [i for i, line in enumerate(lines) if line.startswith("STATUS=staging t: shard")]
+    extend = [i for i, line in enumerate(lines) if line.startswith("EXTEND_TIMEOUT_USEC=")]
+    store = lines.index("FDSTORE=1")
+    ready = lines.index("READY=1")
+    stopping = lines.index("STOPPING=1")
+    assert staging and extend and staging[0] < store < ready < stopping
+    assert lines.count("READY=1") == 1
+    assert lines[ready + 1].startswith("STATUS=serving 1 table(s)") and "100% resident" in lines[ready + 1]
+    assert "FDNAME=pled.1.t" in lines and "FDPOLL=0" in lines
+    # The stored fd is the sealed region itself.
+    (name, fd), = notify_socket.stored()
+    assert name == "pled.1.t" and region.is_sealed(fd)
+    m = region.read_manifest(fd)
+    assert m.table == "t" and m.rows == 160_000
+    with open(d / "shard_2.safetensors", "rb") as f:
+        assert os.pread(fd, m.shards[2].size, m.shards[2].offset) == f.read()
+
+
+def _stage_once(cfg: Path, tmp_path: Path) -> tuple[int, str]:
+    """Run pled once under a notify socket and keep the fd it stored, as systemd would."""
+    n = NotifySocket(tmp_path / f"first-{time.monotonic_ns()}.sock")
+    proc = serve(cfg, {"NOTIFY_SOCKET": n.path})
+    try:
+        n.wait_for("READY=1")
+    finally:
+        stop(proc)
+    (name, fd), = n.stored()
+    keep = os.dup(fd)
+    n.close()
+    return keep, name
+
+
+def _drop_cache(d: Path) -> None:
+    for f in d.glob("*.safetensors"):
+        fd = os.open(f, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
+def test_a_restart_adopts_the_stored_table_without_reading_it(tmp_path, notify_socket):
+    d = tmp_path / "sc"
+    make_sidecar(str(d), "ples_fp8", shards=4, rows=100_000)  # 4 x 16 MiB
+    cfg = write_config(tmp_path / "pled.toml", {"t": d}, headroom_margin=0)
+    fd, name = _stage_once(cfg, tmp_path)
+    _drop_cache(d)
+    log = tmp_path / "second.log"
+    proc = serve(cfg, {"NOTIFY_SOCKET": notify_socket.path}, fds=[(fd, name)], log=log)
+    os.close(fd)
+    try:
+        notify_socket.wait_for("READY=1", timeout=30)
+        # Only the headers were read to check the sources: a few pages of each 16 MiB shard, not the data.
+        for f in d.glob("*.safetensors"):
+            assert cached_bytes(str(f)) <= 512 * 1024, f
+        st = client.call(protocol.STATUS, socket=str(tmp_path / "run/pled.sock"))
+        (t,) = st["tables"]
+        assert (t["origin"], t["state"], t["bytes_done"], t["generation"]) == ("adopted", "ready", 0, 1)
+        with client.attach("t", socket=str(tmp_path / "run/pled.sock")) as table:
+            for s in table.shards:
+                with open(s.path, "rb") as f:
+                    assert table._map[s.offset : s.offset + s.size] == f.read()
+    finally:
+        assert stop(proc) == 0
+    assert "FDSTORE=1" not in notify_socket.lines()  # never stored twice
+    text = log.read_text()
+    assert "table t adopted from systemd's fd store: generation 1" in text and "0 bytes copied" in text
+    assert "preflight" not in text  # nothing to stage, nothing to check
+
+
+def test_changed_sources_are_staged_anew_and_the_old_entry_removed(tmp_path, notify_socket):
+    d = tmp_path / "sc"
+    make_sidecar(str(d), "ples_int4", shards=3, rows=1000)
+    cfg = write_config(tmp_path / "pled.toml", {"t": d}, headroom_margin=0)
+    fd, name = _stage_once(cfg, tmp_path)
+    make_sidecar(str(d), "ples_int4", shards=3, rows=1000, seed=99)  # re-quantized: same sizes, new bytes
+    log = tmp_path / "second.log"
+    proc = serve(cfg, {"NOTIFY_SOCKET": notify_socket.path}, fds=[(fd, name)], log=log)
+    os.close(fd)
+    try:
+        notify_socket.wait_for("READY=1")
+    finally:
+        stop(proc)
+    lines = notify_socket.lines()
+    removed = lines.index("FDSTOREREMOVE=1")
+    assert lines[removed + 1] == "FDNAME=pled.1.t"
+    assert notify_socket.stored()[0][0] == "pled.2.t" and lines.index("FDSTORE=1") > removed
+    text = log.read_text()
+    assert "the sources of table t changed since generation 1 was staged (shard_0.safetensors: modified since)" in text
+    assert "table t: shard 3/3" in text
+
+
+def test_unrecognised_stored_fds_are_removed(sidecar, tmp_path, notify_socket):
+    cfg = write_config(tmp_path / "pled.toml", {"t": sidecar(shards=1, rows=10)}, headroom_margin=0)
+    junk = os.memfd_create("junk")
+    os.write(junk, b"not a region" * 100)
+    other, _ = _stage_once(write_config(tmp_path / "other.toml", {"gone": sidecar(shards=1, rows=20)},
+                                        headroom_margin=0, socket=str(tmp_path / "o.sock")), tmp_path)
+    fds = [(junk, "pled.1.t"), (other, "pled.3.gone"), (os.dup(junk), "something-else")]
+    log = tmp_path / "log"
+    proc = serve(cfg, {"NOTIFY_SOCKET": notify_socket.path}, fds=fds, log=log)
+    for fd, _ in fds:
+        os.close(fd)
+    try:
+        notify_socket.wait_for("READY=1")
+    finally:
+        stop(proc)
+    lines = notify_socket.lines()
+    removed = {lines[i + 1] for i, line in enumerate(lines) if line == "FDSTOREREMOVE=1"}
+    assert removed == {"FDNAME=pled.1.t", "FDNAME=pled.3.gone", "FDNAME=something-else"}
+    assert notify_socket.stored()[0][0] == "pled.2.t"  # a fresh generation after the bad one
+    text = log.read_text()
+    assert "not a usable region" in text and "table gone is no longer in the config" in text and "not a pled table" in text
+
+
+def test_watchdog_pings_at_half_the_interval(sidecar, tmp_path, notify_socket):
+    cfg = write_config(tmp_path / "pled.toml", {"t": sidecar(shards=1, rows=10)}, headroom_margin=0)
+    proc = serve(cfg, {"NOTIFY_SOCKET": notify_socket.path, "WATCHDOG_USEC": "400000"})  # pings every 0.2 s
+    try:
+        notify_socket.wait_for("READY=1")
+        before = notify_socket.lines().count("WATCHDOG=1")
+        time.sleep(3)
+        pings = notify_socket.lines().count("WATCHDOG=1") - before
+    finally:
+        stop(proc)
+    assert 8 <= pings <= 20, pings  # 15 expected; wide bounds on a shared, noisy machine
+
+
+def test_no_watchdog_for_another_pid(sidecar, tmp_path, notify_socket):
+    cfg = write_config(tmp_path / "pled.toml", {"t": sidecar(shards=1, rows=10)}, headroom_margin=0)
+    proc = serve(cfg, {"NOTIFY_SOCKET": notify_socket.path, "WATCHDOG_USEC": "200000", "WATCHDOG_PID": "1"})
+    try:
+        notify_socket.wait_for("READY=1")
+        time.sleep(1)
+    finally:
+        stop(proc)
+    assert "WATCHDOG=1" not in notify_socket.lines()
+
+
+def test_journald_priorities(sidecar, tmp_path):
+    d = sidecar(shards=1, rows=10)
+    log = tmp_path / "journal"
+    with open(log, "w") as f:
+        st = os.fstat(f.fileno())
+        env = {**{k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}, "JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"}
+        cfg = write_config(tmp_path / "big.toml", {"t": d}, headroom_margin="1000TiB")
+        r = subprocess.run([sys.executable, "-m", "pled", "serve", "-c", str(cfg)], stderr=f, env=env, timeout=60)
+    assert r.returncode == 78
+    lines = log.read_text().splitlines()
+    assert lines[0].startswith("<6>pled ") and "starting" in lines[0]
+    assert any(line.startswith("<3>pled needs") for line in lines)
+    assert all(line[:3] in ("<3>", "<4>", "<6>") for line in lines)
+    # Without JOURNAL_STREAM (or with one that is not our stderr): plain lines with a timestamp.
+    with open(tmp_path / "plain", "w") as f:
+        env["JOURNAL_STREAM"] = "1:2"
+        subprocess.run([sys.executable, "-m", "pled", "serve", "-c", str(cfg)], stderr=f, env=env, timeout=60)
+    plain = (tmp_path / "plain").read_text().splitlines()
+    assert plain and not plain[0].startswith("<") and " INFO " in plain[0]
