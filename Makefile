@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test clean
+.PHONY: demo test test-systemd clean
 
 $(BIN)/pled: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,10 @@ demo: $(BIN)/pled
 
 test: $(BIN)/pled
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Opt-in: pled.service under real systemd as PID 1, fenced in namespaces (see tests/test_systemd_pid1.py).
+test-systemd: $(BIN)/pled
+	PLED_TEST_SYSTEMD=1 $(BIN)/python -m pytest tests/test_systemd_pid1.py -v
 
 clean:
 	rm -rf $(VENV) build *.egg-info
