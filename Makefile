@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test test-systemd clean
+.PHONY: demo test test-systemd bench clean
 
 $(BIN)/pled: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,10 @@ test: $(BIN)/pled
 # Opt-in: pled.service under real systemd as PID 1, fenced in namespaces (see tests/test_systemd_pid1.py).
 test-systemd: $(BIN)/pled
 	PLED_TEST_SYSTEMD=1 $(BIN)/python -m pytest tests/test_systemd_pid1.py -v
+
+# Measurements, not tests: writes docs/BENCHMARKS.md and docs/benchmarks.json (a few minutes, about 4 GiB).
+bench: $(BIN)/pled
+	$(BIN)/python -m bench $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -20,6 +20,7 @@ import os
 import socket as socket_mod
 import time
 import warnings
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from . import protocol, region
@@ -213,6 +214,13 @@ class Table:
         return self._fd
 
     @property
+    def buffer(self) -> mmap.mmap:
+        """The read-only mapping itself (for numpy.frombuffer or memoryview); tensors are views of it."""
+        if self._map is None:
+            raise ValueError(f"table {self.manifest.table} is closed")
+        return self._map
+
+    @property
     def closed(self) -> bool:
         return self._map is None
 
@@ -241,35 +249,36 @@ class Table:
     def _view(self, entry: region.TensorEntry) -> "torch.Tensor":
         import torch
 
+        dtype = getattr(torch, _TORCH_DTYPES[entry.dtype])
+        count = entry.nbytes // dtype.itemsize
+        if not count:
+            return torch.empty(entry.shape, dtype=dtype)
         with warnings.catch_warnings():  # the buffer is read-only on purpose: the mapping is PROT_READ
             warnings.simplefilter("ignore", UserWarning)
-            dtype = getattr(torch, _TORCH_DTYPES[entry.dtype])
-            count = entry.nbytes // dtype.itemsize
-            flat = torch.frombuffer(self._map, dtype=dtype, count=count, offset=entry.offset) if count else torch.empty(0, dtype=dtype)
-        return flat.reshape(entry.shape)
+            return torch.frombuffer(self._map, dtype=dtype, count=count, offset=entry.offset).reshape(entry.shape)
 
     @property
-    def tensors(self) -> dict[str, "torch.Tensor"]:
-        """Tensor name -> zero-copy view. Names are unique across the table as they stand, else
-        qualified by their shard: ``shard_3/weight_i4``."""
+    def tensors(self) -> "TensorViews":
+        """Tensor name -> zero-copy view, made on first access. Names are unique across the table as they
+        stand, else qualified by their shard: ``shard_3/weight_i4``."""
         if self._tensors is None:
             entries = self.manifest.tensors
             counts: dict[str, int] = {}
             for t in entries:
                 counts[t.name] = counts.get(t.name, 0) + 1
-            out = {}
+            keyed = {}
             for t in entries:
-                key = t.name if counts[t.name] == 1 else f"{os.path.splitext(os.path.basename(self.shards[t.shard].path))[0]}/{t.name}"
-                out[key] = self._view(t)
-            self._tensors = out
+                stem = os.path.splitext(os.path.basename(self.shards[t.shard].path))[0]
+                keyed[t.name if counts[t.name] == 1 else f"{stem}/{t.name}"] = t
+            self._tensors = TensorViews(self, keyed)
         return self._tensors
 
     def shard_tensors(self, index: int) -> dict[str, "torch.Tensor"]:
         """The tensors of one shard (one source file), by their names in that file."""
         if self._by_shard is None:
-            self._by_shard = [{} for _ in self.shards]
-            for t in self.manifest.tensors:
-                self._by_shard[t.shard][t.name] = self._view(t)
+            self._by_shard = [None] * len(self.shards)
+        if self._by_shard[index] is None:
+            self._by_shard[index] = {t.name: self._view(t) for t in self.manifest.tensors if t.shard == index}
         return self._by_shard[index]
 
     @property
@@ -314,6 +323,27 @@ class Table:
         self.close()
 
 
+class TensorViews(Mapping):
+    """Read-only mapping of tensor names to views into a Table's mapping, each made when first asked for."""
+
+    def __init__(self, table: Table, entries: dict[str, region.TensorEntry]) -> None:
+        self._table = table
+        self._entries = entries
+        self._made: dict[str, "torch.Tensor"] = {}
+
+    def __getitem__(self, name: str) -> "torch.Tensor":
+        view = self._made.get(name)
+        if view is None:
+            view = self._made[name] = self._table._view(self._entries[name])
+        return view
+
+    def __iter__(self):
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
 def attach(table: str, socket: str | None = None, timeout: float = 10.0, populate: bool = True, wait: bool = False) -> Table:
     """Attach to ``table``; with ``wait`` a table still being staged is waited for (up to ``timeout``)."""
     conn = Connection(socket, timeout)
@@ -327,9 +357,9 @@ def attach(table: str, socket: str | None = None, timeout: float = 10.0, populat
             os.close(fd)
             raise ProtocolError(f"the region pled sent for table {table!r} is not sealed; refusing to map it")
         t = Table(conn, fd, int(params.get("generation", 0)), populate)
-        if t.manifest.fingerprint != (params.get("manifest") or {}).get("fingerprint"):
+        if t.manifest.fingerprint != params.get("fingerprint") or t.manifest.table != table:
             t.close()
-            raise ProtocolError(f"the region sent for table {table!r} does not match the manifest in the reply")
+            raise ProtocolError(f"the region sent for table {table!r} does not match the reply (fingerprint or name)")
         return t
     except BaseException:
         conn.close()

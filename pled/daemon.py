@@ -17,7 +17,7 @@ import selectors
 import signal
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import psutil
 
@@ -384,7 +384,9 @@ class Daemon:
                      t.name, t.generation, conn.peer.describe(), self._attached_count())
             if self._ready:
                 self._set_status(self._serving_status())
-        return Reply(protocol.reply(table=t.name, generation=t.generation, manifest=asdict(t.manifest)), fds=(t.region.fd,))
+        # The manifest itself travels in the region's header; the reply names what the client must find there.
+        return Reply(protocol.reply(table=t.name, generation=t.generation, fingerprint=t.manifest.fingerprint,
+                                    region_bytes=t.manifest.region_bytes), fds=(t.region.fd,))
 
     def _attached_count(self) -> int:
         return sum(1 for c in self.server.connections.values() if c.attached)

@@ -112,6 +112,9 @@ def encode_header(manifest: Manifest) -> bytes:
     return _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, manifest.data_offset, len(raw), hashlib.sha256(raw).digest()) + raw
 
 
+_parsed: dict[bytes, Manifest] = {}  # sha256 of a manifest -> the manifest: parsing is the slow part of attaching
+
+
 def read_manifest(fd: int) -> Manifest:
     """The manifest of the region behind ``fd``, checked against the fd's real size."""
     size = os.fstat(fd).st_size
@@ -128,7 +131,11 @@ def read_manifest(fd: int) -> Manifest:
     raw = os.pread(fd, length, _PREFIX.size)
     if hashlib.sha256(raw).digest() != digest:
         raise RegionError(f"fd {fd}: region manifest does not match its checksum")
-    manifest = Manifest.from_json(raw)
+    manifest = _parsed.get(digest)
+    if manifest is None:  # the same bytes always parse to the same manifest (frozen): parse once a process
+        manifest = _parsed[digest] = Manifest.from_json(raw)
+        if len(_parsed) > 64:
+            _parsed.pop(next(iter(_parsed)))
     if manifest.region_bytes != size:
         raise RegionError(f"fd {fd}: manifest says {manifest.region_bytes} bytes but the region has {size}")
     return manifest

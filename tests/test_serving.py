@@ -99,7 +99,7 @@ def test_bytes_tensors_and_zero_copy(sidecar, daemon):
         assert t.generation == 1 and t.manifest.layout == "ples_fp8" and len(t.shards) == 3
         for s in t.shards:
             with open(s.path, "rb") as f:
-                assert t._map[s.offset : s.offset + s.size] == f.read()
+                assert t.buffer[s.offset : s.offset + s.size] == f.read()
         assert set(t.tensors) == {f"shard_{i}/{n}" for i in range(3) for n in ("weight_fp8", "weight_scale")}
         for entry in t.manifest.tensors:
             view = t.shard_tensors(entry.shard)[entry.name]
@@ -115,7 +115,7 @@ def test_writes_through_a_client_mapping_fail(sidecar, daemon):
     pled = daemon({"ples_int4": d})
     with client.attach("ples_int4", socket=pled.socket) as t:
         with pytest.raises(TypeError):
-            t._map[0:1] = b"X"  # the mapping is PROT_READ
+            t.buffer[0:1] = b"X"  # the mapping is PROT_READ
         for prot in (0x1 | 0x2,):  # a second, writable mapping of the same fd
             import mmap
 
@@ -134,7 +134,7 @@ def test_writes_through_a_client_mapping_fail(sidecar, daemon):
     assert r.returncode == -signal.SIGSEGV and "wrote" not in r.stdout
     with client.attach("ples_int4", socket=pled.socket) as t, open(d / "shard_0.safetensors", "rb") as f:
         s = t.shards[0]
-        assert t._map[s.offset : s.offset + s.size] == f.read()
+        assert t.buffer[s.offset : s.offset + s.size] == f.read()
     assert client.call(protocol.PING, socket=pled.socket) == {}
 
 
@@ -296,7 +296,7 @@ def test_a_client_outlives_the_daemon_and_reattaches(sidecar, daemon):
     # The mapping stays valid: every byte still reads, gathers give the same rows.
     for s in t.shards:
         with open(s.path, "rb") as f:
-            assert t._map[s.offset : s.offset + s.size] == f.read()
+            assert t.buffer[s.offset : s.offset + s.size] == f.read()
     assert torch.equal(t.gather(torch.arange(0, 12000, 7)), expected)
     with pytest.raises(client.DaemonUnavailable):
         client.attach("ples_nvfp4", socket=first.socket)

@@ -185,7 +185,7 @@ def test_a_restart_adopts_the_stored_table_without_reading_it(tmp_path, notify_s
         with client.attach("t", socket=str(tmp_path / "run/pled.sock")) as table:
             for s in table.shards:
                 with open(s.path, "rb") as f:
-                    assert table._map[s.offset : s.offset + s.size] == f.read()
+                    assert table.buffer[s.offset : s.offset + s.size] == f.read()
     finally:
         assert stop(proc) == 0
     assert "FDSTORE=1" not in notify_socket.lines()  # never stored twice
