@@ -147,11 +147,13 @@ def _attach_all(st: State) -> None:
 
 
 def _report(st: State) -> None:
+    from pled.sizes import gib
+
     for name, count in st.served.items():
         t = st.tables[name]
-        log.info("pled: pid %d mapped table %s (generation %d): %d of %d files, %.2f GiB from shared memory, "
+        log.info("pled: pid %d mapped table %s (generation %d): %d of %d files, %s from shared memory, "
                  "0 bytes read from disk for them (pre-fault %.0f ms)", os.getpid(), name, t.generation, count,
-                 len(t.shards), t.manifest.source_bytes / 1024**3, t.populate_seconds * 1000)
+                 len(t.shards), gib(t.manifest.source_bytes), t.populate_seconds * 1000)
     st.served.clear()
 
 
