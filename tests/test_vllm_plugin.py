@@ -110,3 +110,28 @@ def test_fallback_disk_warns_and_reads_from_disk(model, tmp_path):
     text = r.stdout + r.stderr
     assert "reading from disk instead (fallback = \"disk\")" in text
     assert len(tokens(r.stdout)) == 2
+
+
+def test_safe_open_is_served_for_held_files_only(model, daemon, tmp_path):
+    """Code outside vLLM's loader (a PLE offload worker) that maps shards with safetensors.safe_open."""
+    import shutil
+
+    model = Path(shutil.copytree(model, tmp_path / "copy"))  # this test changes a file; the others share `model`
+    files = sorted(model.glob("*.safetensors"))
+    pled = daemon({"model": model / "model-*.safetensors"})
+    other = tmp_path / "other.safetensors"
+    other.write_bytes(files[0].read_bytes())  # same bytes, but not a file pled holds
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PLED_")}, "PLED_SOCKET": pled.socket}
+    r = subprocess.run([str(VLLM_PYTHON), str(HERE / "safe_open_check.py"), str(files[1]), str(other)],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["patched"] and out["held_type"] == "PledSafeOpen" and out["other_type"] != "PledSafeOpen"
+    assert out["zero_copy"] and out["equal"] and out["slice_equal"]
+    assert out["metadata"] == {"format": "pt"}
+    # A held file changed after staging: refused, naming the file, without a fallback.
+    os.utime(files[1], ns=(time.time_ns(), time.time_ns()))
+    r = subprocess.run([str(VLLM_PYTHON), str(HERE / "safe_open_check.py"), str(files[1]), str(other)],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode != 0
+    assert f"{files[1]} changed since pled staged it into table model" in r.stderr
