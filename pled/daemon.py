@@ -178,6 +178,7 @@ class Daemon:
             t = TableState(name, sidecar, planned[name], generation=sorted_fds.generations.get(name, 1))
             if name in sorted_fds.adopted:
                 t.region, t.generation = sorted_fds.adopted[name]
+                t.manifest = t.region.manifest  # with the content digests computed when it was staged
                 t.state, t.origin, t.shards_done = "ready", "adopted", len(t.manifest.shards)
                 log.info("table %s adopted from systemd's fd store: generation %d, %s, 0 bytes copied, sources unchanged",
                          name, t.generation, gib(t.manifest.region_bytes))
@@ -317,7 +318,7 @@ class Daemon:
             except queue.Empty:
                 return
             if kind == "ready":
-                t.region, t.state = payload, "ready"
+                t.region, t.state, t.manifest = payload, "ready", payload.manifest
                 log.info("%s", staging.describe_ready(payload))
                 if self.notifier.store_fd(payload.fd, notify.fd_name(t.name, t.generation)):
                     log.info("table %s generation %d handed to systemd's fd store", t.name, t.generation)

@@ -74,7 +74,7 @@ def sort_stored(stored: list[StoredFd], planned: dict[str, Manifest], notifier: 
         if manifest.table != table:
             drop(item, f"it holds table {manifest.table}, not {table}")
             continue
-        if manifest != planned[table]:
+        if manifest.identity() != planned[table].identity():
             drop(item, f"the sources of table {table} changed since generation {generation} was staged "
                        f"({describe_change(manifest, planned[table])}); staging it anew")
             continue

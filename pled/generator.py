@@ -52,16 +52,16 @@ def make_sidecar(directory: str, layout: str = "ples_int4", shards: int = 4, row
     if shards < 1 or rows < 1 or width < 16 or width % 16:
         raise ValueError("need shards >= 1, rows >= 1 and a width that is a positive multiple of 16")
     os.makedirs(directory, exist_ok=True)
-    paths = []
+    paths, digests = [], {}
     for i in range(shards):
         rng = np.random.default_rng([seed, i])
         path = os.path.join(directory, f"shard_{i}.safetensors")
-        write(path, [(n, d, s, a.tobytes() if a.ndim == 0 else memoryview(np.ascontiguousarray(a)).cast("B"))
+        digests[os.path.basename(path)] = write(path, [(n, d, s, a.tobytes() if a.ndim == 0 else memoryview(np.ascontiguousarray(a)).cast("B"))
                      for n, d, s, a in shard_tensors(layout, rows, width, rng)],
               metadata={"format": "pt", "layout": layout})
         paths.append(path)
     meta = {"layout": layout, "num_shards": shards, "rows_per_shard": rows, "total_rows": rows * shards,
-            "row_width": width, "seed": seed, "generator": "pled make-sidecar"}
+            "row_width": width, "seed": seed, "generator": "pled make-sidecar", "digests": digests}
     with open(os.path.join(directory, "META.json"), "w", encoding="utf-8") as f:
         json.dump(meta, f, indent=2)
         f.write("\n")

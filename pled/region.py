@@ -21,7 +21,7 @@ import json
 import mmap
 import os
 import struct
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from .errors import RegionError
 
@@ -29,6 +29,9 @@ MAGIC = b"PLEDRGN\0"
 FORMAT_VERSION = 1
 ALIGN = 2 * 1024 * 1024  # shards start on a PMD huge-page boundary
 _PREFIX = struct.Struct("<8sIIQQ32s")  # 64 bytes
+# Stands in for a shard's digest until staging has computed it: same length, so the manifest's size,
+# and every offset that depends on it, is the same before and after.
+DIGEST_PLACEHOLDER = "blake3:" + "0" * 64
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
 
 
@@ -47,6 +50,7 @@ class ShardEntry:
     fingerprint: str  # sha256 of the file's safetensors header
     offset: int  # in the region
     rows: int
+    digest: str = ""  # "blake3:<hex>" of the whole file's bytes, computed while staging
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,20 @@ class Manifest:
     def source_bytes(self) -> int:
         return sum(s.size for s in self.shards)
 
+    @property
+    def content_digest(self) -> str:
+        """One digest of the table's content: of its shards' digests, in order ("" before staging)."""
+        if not all(s.digest and s.digest != DIGEST_PLACEHOLDER for s in self.shards):
+            return ""
+        return "sha256:" + hashlib.sha256("\n".join(s.digest for s in self.shards).encode()).hexdigest()
+
+    def identity(self) -> "Manifest":
+        """The manifest without content digests: what staging the same files would plan again."""
+        return replace(self, shards=tuple(replace(s, digest="") for s in self.shards))
+
+    def with_digests(self, digests: list[str]) -> "Manifest":
+        return replace(self, shards=tuple(replace(s, digest=d) for s, d in zip(self.shards, digests)))
+
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":"), sort_keys=True).encode()
 
@@ -96,7 +114,8 @@ def plan(table: str, sidecar) -> Manifest:
     while True:  # the manifest records offsets that depend on its own size: grow until it fits
         shards, tensors, offset = [], [], data_offset
         for s in sidecar.shards:
-            shards.append(ShardEntry(s.index, s.path, s.size, s.mtime_ns, s.dev, s.ino, s.header.fingerprint, offset, s.rows))
+            shards.append(ShardEntry(s.index, s.path, s.size, s.mtime_ns, s.dev, s.ino, s.header.fingerprint, offset,
+                                     s.rows, DIGEST_PLACEHOLDER))
             for t in s.header.tensors:
                 tensors.append(TensorEntry(t.name, s.index, t.dtype, t.shape, offset + t.begin, t.nbytes))
             offset = align(offset + s.size)

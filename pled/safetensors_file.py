@@ -149,8 +149,12 @@ def _tensor(path: str, name: str, spec: object, data_offset: int, data_size: int
     return TensorInfo(name=name, dtype=dtype, shape=tuple(shape), begin=data_offset + offsets[0], nbytes=bits // 8)
 
 
-def write(path: str, tensors: list[tuple[str, str, tuple[int, ...], bytes | memoryview]], metadata: dict | None = None) -> None:
-    """Write a safetensors file (used by the sidecar generator and tests), padding the header to 8 bytes, and fsync it."""
+def write(path: str, tensors: list[tuple[str, str, tuple[int, ...], bytes | memoryview]], metadata: dict | None = None) -> str:
+    """Write a safetensors file (used by the sidecar generator and tests), padding the header to 8 bytes, and fsync it.
+    Returns the blake3 digest of the file's bytes, as "blake3:<hex>"."""
+    import blake3
+
+    digest = blake3.blake3()
     header: dict = {}
     if metadata:
         header["__metadata__"] = metadata
@@ -162,10 +166,10 @@ def write(path: str, tensors: list[tuple[str, str, tuple[int, ...], bytes | memo
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for _, _, _, data in tensors:
-            f.write(data)
+        for chunk in [struct.pack("<Q", len(raw)), raw, *(data for _, _, _, data in tensors)]:
+            f.write(chunk)
+            digest.update(chunk)
         f.flush()
         # Clean pages: the generator's output must be droppable from page cache like any sidecar on disk.
         os.fsync(f.fileno())
+    return "blake3:" + digest.hexdigest()

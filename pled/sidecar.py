@@ -49,6 +49,8 @@ class Sidecar:
     rows: int  # total rows in shard order (0 for generic)
     row_width: int  # columns of the dequantized table (0 for generic)
     meta: dict = field(default_factory=dict)
+    # File name -> ("blake3" or "sha256", hex, where it was written), if the sidecar ships digests.
+    expected_digests: dict = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -171,7 +173,8 @@ def open_table(source: str) -> Sidecar:
     )
     if os.path.isdir(source):
         meta = _read_meta(os.path.join(source, META), sidecar)
-        sidecar = Sidecar(**{**sidecar.__dict__, "meta": meta})
+        digests = _read_digests(source, meta, {s.name for s in sidecar.shards})
+        sidecar = Sidecar(**{**sidecar.__dict__, "meta": meta, "expected_digests": digests})
     return sidecar
 
 
@@ -229,3 +232,44 @@ def _read_meta(path: str, sidecar: Sidecar) -> dict:
         if key in meta and meta[key] != actual:
             raise SidecarError(path, f"says {key} = {meta[key]!r} but the shards give {actual!r}")
     return meta
+
+
+_SUMS = {"B3SUMS": "blake3", "SHA256SUMS": "sha256"}
+_HEX = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _read_digests(directory: str, meta: dict, names: set[str]) -> dict:
+    """Digests the sidecar ships: META.json's "digests" ({"shard_0.safetensors": "blake3:<hex>"}) or a
+    b3sum / sha256sum file beside the shards ("<hex>  shard_0.safetensors" per line)."""
+    found: dict = {}
+    where = os.path.join(directory, META)
+    listed = meta.get("digests")
+    if listed is not None:
+        if not isinstance(listed, dict):
+            raise SidecarError(where, '"digests" must map shard file names to "blake3:<hex>" or "sha256:<hex>"')
+        for name, value in listed.items():
+            algo, _, hexdigest = str(value).partition(":")
+            if algo not in ("blake3", "sha256") or not _HEX.match(hexdigest):
+                raise SidecarError(where, f'digest of {name} is {value!r}; expected "blake3:<64 hex>" or "sha256:<64 hex>"')
+            found[name] = (algo, hexdigest, where)
+    for sums, algo in _SUMS.items():
+        path = os.path.join(directory, sums)
+        try:
+            with open(path, encoding="utf-8") as f:
+                lines = f.read().splitlines()
+        except FileNotFoundError:
+            continue
+        except (OSError, UnicodeDecodeError) as err:
+            raise SidecarError(path, f"cannot be read ({err})") from err
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            hexdigest, _, name = line.partition(" ")
+            name = name.strip().lstrip("*")
+            if not _HEX.match(hexdigest) or not name:
+                raise SidecarError(path, f"line {number} is not '<hex>  <file name>'")
+            found.setdefault(name, (algo, hexdigest, path))
+    unknown = sorted(set(found) - names)
+    if unknown:
+        raise SidecarError(found[unknown[0]][2], f"lists a digest for {unknown[0]}, which is not a shard of this table")
+    return found

@@ -15,11 +15,14 @@ import logging
 import mmap
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
+import blake3
+
 from . import hugepages, region
-from .errors import PledError, StagingError
+from .errors import PledError, SidecarError, StagingError
 from .region import Manifest, Region
 from .sidecar import Shard, Sidecar
 from .sizes import gib, rate
@@ -121,10 +124,14 @@ def _copy_shard(shard: Shard, offset: int, fd: int, view: memoryview | None, pac
             if pacer.should_stop():
                 raise StagingCancelled(f"staging of table {table} cancelled at {shard.name}")
             want = min(pacer.chunk, shard.size - done)
-            if view is None:
-                got = os.sendfile(fd, src, done, want)
-            else:
-                got = os.preadv(src, [view[offset + done: offset + done + want]], done)
+            try:
+                if view is None:
+                    got = os.sendfile(fd, src, done, want)
+                else:
+                    got = os.preadv(src, [view[offset + done: offset + done + want]], done)
+            except OSError as err:
+                raise StagingError(table, f"reading {shard.path} failed at offset {done} of {shard.size}: {err.strerror}; "
+                                          "check the disk (dmesg) or copy the sidecar elsewhere") from err
             if got == 0:
                 raise StagingError(table, f"{shard.path} ended at byte {done} of {shard.size}: it was truncated while staging")
             _drop_cache(src, done, got, shard.path)
@@ -133,7 +140,7 @@ def _copy_shard(shard: Shard, offset: int, fd: int, view: memoryview | None, pac
         _drop_cache(src, 0, 0, shard.path)  # readahead may have brought in pages past the last chunk
         _check_unchanged(src, shard, table)
     except OSError as err:
-        raise StagingError(table, f"reading {shard.path} failed ({err})") from err
+        raise StagingError(table, f"reading {shard.path} failed ({err.strerror or err})") from err
     finally:
         os.close(src)
     header = os.pread(fd, shard.header.header_len, offset + 8)
@@ -144,8 +151,10 @@ def _copy_shard(shard: Shard, offset: int, fd: int, view: memoryview | None, pac
 def _check_unchanged(src: int, shard: Shard, table: str) -> None:
     st = os.fstat(src)
     if st.st_size != shard.size or st.st_mtime_ns != shard.mtime_ns:
+        what = f"size {st.st_size}, was {shard.size}" if st.st_size != shard.size else "modified"
         raise StagingError(
-            table, f"{shard.path} changed since it was validated (size {st.st_size}, was {shard.size}); restart pled once it is written"
+            table, f"{shard.path} changed while pled was staging it ({what}); nothing of it is served: "
+                   "start pled again once the sidecar is completely written"
         )
 
 
@@ -160,13 +169,13 @@ def stage(
     bandwidth: int | None = None,
 ) -> Region:
     """Stage ``sidecar`` into a new sealed memfd; the caller owns the returned Region."""
-    manifest = region.plan(table, sidecar)
+    planned = region.plan(table, sidecar)
     fill = plan_fill(huge_pages, hugepages.read_policy(sys_root))
     fd = os.memfd_create(f"pled:{table}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        os.ftruncate(fd, manifest.region_bytes)
+        os.ftruncate(fd, planned.region_bytes)
         start = time.perf_counter()
-        huge_bytes = _fill(fd, manifest, sidecar, fill, on_shard, Pacer(bandwidth, should_stop), table)
+        manifest, huge_bytes = _fill(fd, planned, sidecar, fill, on_shard, Pacer(bandwidth, should_stop), table)
         seconds = time.perf_counter() - start
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, region.SEALS)
     except BaseException:
@@ -175,19 +184,44 @@ def stage(
     return Region(fd, manifest, StageStats(seconds, huge_bytes, fill))
 
 
-def _fill(fd, manifest, sidecar, fill, on_shard, pacer, table) -> int:
-    header = region.encode_header(manifest)
+def _digest(view: memoryview) -> str:
+    # blake3 releases the GIL: this runs on the other core while the next shard is copied.
+    return "blake3:" + blake3.blake3(view, max_threads=1).hexdigest()
+
+
+def _check_digest(sidecar: Sidecar, shard: Shard, digest: str, view: memoryview) -> None:
+    """Refuse a shard whose content does not match the digest its sidecar ships."""
+    expected = sidecar.expected_digests.get(shard.name)
+    if expected is None:
+        return
+    algo, hexdigest, where = expected
+    actual = digest.partition(":")[2] if algo == "blake3" else hashlib.sha256(view).hexdigest()
+    if actual != hexdigest:
+        raise SidecarError(shard.path, f"content {algo}:{actual[:16]}... does not match {algo}:{hexdigest[:16]}... in {where}; "
+                                       "the file is damaged or the digest is stale: copy the shard again")
+
+
+def _fill(fd, manifest, sidecar, fill, on_shard, pacer, table) -> tuple[Manifest, int]:
+    """Copy every shard in, hash each one from memory while the next is copied, write the final header."""
     m = view = None
     if fill.method == FAULT:
         m = mmap.mmap(fd, manifest.region_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         m.madvise(mmap.MADV_HUGEPAGE)
         view = memoryview(m)
+        readable = view
+    else:  # a read-only view to hash from; it too must go before sealing (it may become writable)
+        m = mmap.mmap(fd, manifest.region_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        readable = memoryview(m)
+    hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pled-hash")
+    digests = []
     try:
+        header = region.encode_header(manifest)
         _write(fd, view, 0, header)
         _write(fd, view, len(header), bytes(manifest.data_offset - len(header)))
         for shard, entry in zip(sidecar.shards, manifest.shards):
             t = time.perf_counter()
             _copy_shard(shard, entry.offset, fd, view, pacer, table)
+            digests.append(hasher.submit(_digest, readable[entry.offset : entry.offset + entry.size]))
             # Zero the alignment padding too: every page of the region is then allocated once, here,
             # so the region is exactly as large as the preflight said, and a client's read of a
             # padding page never allocates one on its own account.
@@ -195,13 +229,25 @@ def _fill(fd, manifest, sidecar, fill, on_shard, pacer, table) -> int:
             _write(fd, view, end, bytes(region.align(end) - end))
             if on_shard:
                 on_shard(shard, entry.offset, time.perf_counter() - t)
-        return hugepages.pmd_mapped_bytes(_address(m)) if m is not None else 0
+        done = [f.result() for f in digests]
+        for shard, entry, digest in zip(sidecar.shards, manifest.shards, done):
+            _check_digest(sidecar, shard, digest, readable[entry.offset : entry.offset + entry.size])
+        final = manifest.with_digests(done)
+        header = region.encode_header(final)
+        if len(header) != len(region.encode_header(manifest)):
+            raise AssertionError("a digest changed the manifest's length")  # DIGEST_PLACEHOLDER has their length
+        _write(fd, view, 0, header)
+        huge = hugepages.pmd_mapped_bytes(_address(m)) if fill.method == FAULT else 0
+        return final, huge
     finally:
+        for f in digests:
+            f.cancel()
+        hasher.shutdown(wait=True)  # no hash may still read the mapping when it goes
         # Every writable mapping must be gone before F_SEAL_WRITE can be set.
+        readable.release()
         if view is not None:
             view.release()
-        if m is not None:
-            m.close()
+        m.close()
 
 
 def _write(fd: int, view: memoryview | None, offset: int, data: bytes) -> None:

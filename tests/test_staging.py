@@ -146,7 +146,10 @@ def test_manifest_is_read_back_from_the_region_alone(sidecar):
     s = open_table(str(d))
     with staging.stage("ples_int4", s) as r:
         m = region.read_manifest(r.fd)
-        assert m == r.manifest == region.plan("ples_int4", s)
+        assert m == r.manifest and m.identity() == region.plan("ples_int4", s).identity()
+        # Each shard's digest, computed while staging, is the digest of its file (the generator wrote them down).
+        assert [sh.digest for sh in m.shards] == [s.meta["digests"][f"shard_{i}.safetensors"] for i in range(3)]
+        assert m.content_digest.startswith("sha256:")
         assert (m.table, m.layout, m.rows, m.row_width, m.format) == ("ples_int4", "ples_int4", 2100, 160, 1)
         assert [sh.path for sh in m.shards] == [os.path.realpath(d / f"shard_{i}.safetensors") for i in range(3)]
         assert all(sh.mtime_ns and sh.size and len(sh.fingerprint) == 64 for sh in m.shards)
@@ -184,7 +187,7 @@ def test_a_file_changed_after_validation_fails_staging(sidecar):
     s = open_table(str(d))
     with open(d / "shard_1.safetensors", "ab") as f:
         f.write(b"\0" * 10)
-    with pytest.raises(StagingError, match=r"shard_1.safetensors changed since it was validated"):
+    with pytest.raises(StagingError, match=r"shard_1.safetensors changed while pled was staging it \(size"):
         staging.stage("t", s)
 
 
