@@ -62,14 +62,8 @@ def _status(args) -> int:
     from . import client, protocol
     from .sizes import gib
 
-    path = args.socket or os.environ.get(client.ENV_SOCKET)
-    if path is None:
-        try:
-            path = config_mod.load(args.config).socket
-        except PledError:
-            path = client.DEFAULT_SOCKET
     try:
-        st = client.call(protocol.STATUS, socket=path, timeout=args.timeout)
+        st = client.call(protocol.STATUS, socket=_socket_for(args), timeout=args.timeout)
     except client.ClientError as err:
         print(f"pled status: {err}", file=sys.stderr)
         return EX_NOT_RUNNING if isinstance(err, client.DaemonUnavailable) else 1
@@ -97,6 +91,42 @@ def _status(args) -> int:
     for c in clients:
         print(f"  pid {c['pid']:<8} uid {c['uid']:<6} {', '.join(c['tables']):<16} {c['command'][:80]}")
     return 0 if healthy else 1
+
+
+def _socket_for(args) -> str:
+    from . import client
+
+    path = args.socket or os.environ.get(client.ENV_SOCKET)
+    if path is None:
+        try:
+            path = config_mod.load(args.config).socket
+        except PledError:
+            path = client.DEFAULT_SOCKET
+    return path
+
+
+def _reload(args) -> int:
+    from . import client, protocol
+
+    try:
+        result = client.call(protocol.RELOAD, socket=_socket_for(args), timeout=args.timeout)
+    except client.ClientError as err:
+        print(f"pled reload: {err}", file=sys.stderr)
+        return EX_NOT_RUNNING if isinstance(err, client.DaemonUnavailable) else 1
+    gens = result.get("generations", {})
+    for key in ("changed", "added", "removed", "unchanged"):
+        names = result.get(key) or []
+        if names:
+            print(f"{key}: " + ", ".join(f"{n} (generation {gens[n]})" if n in gens else n for n in names))
+    if not any(result.get(k) for k in ("changed", "added", "removed")):
+        print("nothing changed")
+    return 0
+
+
+def _verify(args) -> int:
+    from .verify import verify
+
+    return verify(_socket_for(args), args.table)
 
 
 def _demo(args) -> int:
@@ -144,6 +174,18 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.add_argument("--timeout", type=float, default=5.0)
     s.set_defaults(func=_status)
+
+    s = sub.add_parser("reload", help="re-read the config; stage new or changed tables as new generations, then switch")
+    s.add_argument("-c", "--config", help=config_help + "; read for its socket")
+    s.add_argument("--socket", help="the daemon's socket (default $PLED_SOCKET, else the config's)")
+    s.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the reload (default 3600)")
+    s.set_defaults(func=_reload)
+
+    s = sub.add_parser("verify", help="compare each table in memory with its source files, byte for byte")
+    s.add_argument("table", nargs="?", help="one table (default: all)")
+    s.add_argument("-c", "--config", help=config_help + "; read for its socket")
+    s.add_argument("--socket", help="the daemon's socket (default $PLED_SOCKET, else the config's)")
+    s.set_defaults(func=_verify)
 
     s = sub.add_parser("demo", help="stage a small synthetic sidecar and read it back")
     s.add_argument("--layout", default="ples_int4", choices=["ples_fp8", "ples_int4", "ples_nvfp4"])

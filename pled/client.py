@@ -60,6 +60,10 @@ class NotReady(ClientError):
         self.progress = progress
 
 
+class ReloadFailed(ClientError):
+    """pled could not reload; it serves what it served before."""
+
+
 class ProtocolError(ClientError):
     """The daemon answered something this client does not understand."""
 
@@ -156,6 +160,8 @@ def _error(name: str, params: dict, path: str) -> ClientError:
     if name == protocol.NOT_READY:
         return NotReady(f"table {params.get('table')!r} is still being staged ({params.get('shards_done')}/"
                         f"{params.get('shards')} shards); attach with wait=True or try again", params)
+    if name == protocol.RELOAD_FAILED:
+        return ReloadFailed(f"reload failed, pled serves what it served before: {params.get('reason')}")
     return ProtocolError(f"pled at {path} answered {name}: {params}")
 
 

@@ -179,7 +179,7 @@ def parse(text: str, source: str) -> Config:
 
 
 def load(explicit: str | None = None) -> Config:
-    path = resolve_path(explicit)
+    path = os.path.abspath(resolve_path(explicit))  # a reload re-reads it from wherever pled runs
     try:
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError as err:

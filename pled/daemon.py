@@ -23,6 +23,7 @@ import psutil
 
 from . import __version__, fdstore, notify, preflight, protocol, region, staging
 from .access import Policy
+from . import config as config_mod
 from .config import Config
 from .errors import ConfigError, PledError
 from .pagecache import cached_bytes_fd
@@ -73,11 +74,26 @@ class TableState:
         self.resident_share = cached_bytes_fd(self.region.fd) / self.manifest.region_bytes
         return self.resident_share
 
+    def sources(self) -> str:
+        """Whether the files this generation was staged from are still there as they were."""
+        missing, changed = [], []
+        for s in self.manifest.shards:
+            try:
+                st = os.stat(s.path)
+            except FileNotFoundError:
+                missing.append(os.path.basename(s.path))
+                continue
+            if (st.st_size, st.st_mtime_ns) != (s.size, s.mtime_ns):
+                changed.append(os.path.basename(s.path))
+        parts = ([f"missing: {', '.join(missing)}"] if missing else []) + ([f"changed: {', '.join(changed)}"] if changed else [])
+        return "; ".join(parts) or "unchanged"
+
     def status(self) -> dict:
         out = {
             **self.progress(), "origin": self.origin, "layout": self.manifest.layout, "rows": self.manifest.rows,
             "row_width": self.manifest.row_width, "region_bytes": self.manifest.region_bytes,
-            "generation": self.generation, "fingerprint": self.manifest.fingerprint, "error": self.error or None,
+            "generation": self.generation, "fingerprint": self.manifest.fingerprint,
+            "content_digest": self.manifest.content_digest or None, "sources": self.sources(), "error": self.error or None,
         }
         r = self.region
         if r is not None and not r.closed:
@@ -93,6 +109,25 @@ class TableState:
             )
             out["resident_share"] = out["resident_bytes"] / self.manifest.region_bytes
         return out
+
+
+@dataclass(eq=False)
+class Reload:
+    """A reload under way: the tables being staged as new generations next to the ones being served."""
+
+    config: Config
+    tables: dict[str, TableState]  # new or changed tables, staging
+    unchanged: list[str]
+    removed: list[str]
+    callers: list[Connection]
+    started: float
+
+    def summary(self, old: dict[str, TableState]) -> dict:
+        return {
+            "changed": sorted(n for n in self.tables if n in old), "added": sorted(n for n in self.tables if n not in old),
+            "removed": sorted(self.removed), "unchanged": sorted(self.unchanged),
+            "generations": {n: t.generation for n, t in self.tables.items()},
+        }
 
 
 class Daemon:
@@ -116,6 +151,9 @@ class Daemon:
         self._next_residency = 0.0
         self._extended = (0.0, -1)  # (when, bytes_done) at the last EXTEND_TIMEOUT_USEC
         self._status_sent = ""
+        self._reload: Reload | None = None
+        self._reload_again = False
+        self._workers: list[threading.Thread] = []
 
     # Signal handlers record; the loop acts.
     def _on_signal(self, signum: int, frame) -> None:
@@ -130,7 +168,6 @@ class Daemon:
         event_r, self._event_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         old_wakeup = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
-        worker = None
         try:
             log.info("pled %s (pid %d) starting with %s: %d table(s)", __version__, os.getpid(), self.config.source,
                      len(self.config.tables))
@@ -138,17 +175,18 @@ class Daemon:
             self.server = Server(self.config.socket, Policy.for_this_process(self.config.allow_uids, self.config.allow_gids),
                                  self._handle, self._on_close)
             log.info("listening on %s", self.config.socket)
-            worker = threading.Thread(target=self._stage_all, name="pled-staging", daemon=True)
-            worker.start()
+            self._start_staging([t for t in self.tables.values() if t.state != "ready"])
             if all(t.state == "ready" for t in self.tables.values()):
                 self._on_all_ready()
             self._loop(wake_r, event_r)
             return self._exit
         finally:
             self._stop.set()
-            if worker is not None:
+            for worker in self._workers:
                 worker.join()
-                self._drain_events()
+            self._drain_events()
+            if self._reload is not None:
+                self._abort_reload("pled is stopping")
             if self.server is not None:
                 self.server.close()
             held = self.regions
@@ -196,10 +234,16 @@ class Daemon:
 
     # -- staging (worker thread) -------------------------------------------------------------
 
-    def _stage_all(self) -> None:
-        for t in self.tables.values():
-            if t.state == "ready":
-                continue
+    def _start_staging(self, states: list[TableState]) -> None:
+        if not states:
+            return
+        worker = threading.Thread(target=self._stage_list, args=(states,), name="pled-staging", daemon=True)
+        self._workers = [w for w in self._workers if w.is_alive()] + [worker]
+        worker.start()
+
+    def _stage_list(self, states: list[TableState]) -> None:
+        """The staging thread: one table after another; each result goes to the loop as an event."""
+        for t in states:
             if self._stop.is_set():
                 break
             t.state = "staging"
@@ -219,6 +263,10 @@ class Daemon:
                 self._post(("cancelled", t, str(err)))
                 return
             except (PledError, OSError) as err:
+                self._post(("failed", t, err))
+                return
+            except Exception as err:  # the thread's boundary: a bug must fail the table, not hang the daemon
+                log.exception("staging table %s hit an unexpected error", t.name)
                 self._post(("failed", t, err))
                 return
             self._post(("ready", t, r))
@@ -309,7 +357,8 @@ class Daemon:
                 self.notifier.stopping()
                 self._stop.set()
             elif signum == signal.SIGHUP:
-                log.info("SIGHUP: nothing to reload yet; tables stay as they are")
+                log.info("SIGHUP: reloading %s", self.config.source)
+                self._begin_reload(None)
 
     def _drain_events(self) -> None:
         while True:
@@ -317,6 +366,9 @@ class Daemon:
                 kind, t, payload = self._events.get_nowait()
             except queue.Empty:
                 return
+            if self._reload is not None and t in self._reload.tables.values():
+                self._reload_event(kind, t, payload)
+                continue
             if kind == "ready":
                 t.region, t.state, t.manifest = payload, "ready", payload.manifest
                 log.info("%s", staging.describe_ready(payload))
@@ -337,6 +389,117 @@ class Daemon:
                 t.state = "waiting"
                 log.info("%s", payload)
 
+    # -- reload: new generations next to the old, then a switch --------------------------------
+
+    def _begin_reload(self, caller: Connection | None):
+        """Re-read the config; stage new and changed tables beside the served ones. Returns PENDING or an error."""
+        if self._reload is not None or not self._ready:
+            if caller is None:
+                self._reload_again = True
+                log.info("a reload or the first staging is under way; reloading again once it is done")
+                return None
+            if self._reload is not None:
+                self._reload.callers.append(caller)  # it will answer this caller too
+                return PENDING
+            return Reply(protocol.error(protocol.RELOAD_FAILED, reason="the first staging is still under way; try again"))
+        self.notifier.send("RELOADING=1", f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}",
+                           f"STATUS=reloading {self.config.source}")
+        try:
+            config = config_mod.load(self.config.source)
+            sidecars = open_tables(config)
+            fresh, unchanged = {}, []
+            for name, sidecar in sidecars.items():
+                planned = region.plan(name, sidecar)
+                cur = self.tables.get(name)
+                if cur is not None and cur.manifest.identity() == planned.identity():
+                    unchanged.append(name)
+                    continue
+                fresh[name] = TableState(name, sidecar, planned, generation=(cur.generation + 1) if cur else 1)
+            removed = [n for n in self.tables if n not in sidecars]
+            if fresh:
+                verdict = run_preflight(config, {n: t.sidecar for n, t in fresh.items()}, self.proc_root)
+                (log.info if verdict.ok else log.error)("reload %s", verdict.message)
+                verdict.raise_if_refused()
+        except PledError as err:
+            return self._reload_failed(str(err), [])  # the caller gets the returned reply
+        self._reload = Reload(config, fresh, unchanged, removed, [caller] if caller else [], time.monotonic())
+        for t in fresh.values():
+            old = self.tables.get(t.name)
+            log.info("reload: staging table %s as generation %d%s", t.name, t.generation,
+                     f" next to generation {old.generation}" if old else " (new table)")
+        if fresh:
+            self._start_staging(list(fresh.values()))
+        else:
+            self._commit_reload()
+        return PENDING if caller else None
+
+    def _reload_event(self, kind: str, t: TableState, payload) -> None:
+        if kind == "ready":
+            t.region, t.state, t.manifest = payload, "ready", payload.manifest
+            log.info("%s", staging.describe_ready(payload))
+            if all(x.state == "ready" for x in self._reload.tables.values()):
+                self._commit_reload()
+        elif kind == "failed":
+            t.state, t.error = "failed", str(payload)
+            self._abort_reload(f"staging table {t.name} failed: {payload}")
+        else:
+            self._abort_reload(str(payload))
+
+    def _commit_reload(self) -> None:
+        """The switch: new attaches get the new generations; the old regions are let go."""
+        r, self._reload = self._reload, None
+        summary = r.summary(self.tables)
+        for name, new in r.tables.items():
+            old = self.tables.get(name)
+            self.tables[name] = new
+            self.notifier.store_fd(new.region.fd, notify.fd_name(name, new.generation))
+            if old is not None:
+                self._release(old, f"generation {new.generation} now served")
+        for name in r.removed:
+            self._release(self.tables.pop(name), "removed from the config: no longer offered")
+        if r.config.socket != self.config.socket:
+            log.warning("the socket moved to %s in the config; pled keeps serving on %s until it restarts",
+                        r.config.socket, self.config.socket)
+            r.config = r.config.model_copy(update={"socket": self.config.socket})
+            r.config._source = self.config.source
+        self.config = r.config
+        if self.server is not None:
+            self.server.policy = Policy.for_this_process(r.config.allow_uids, r.config.allow_gids)
+        log.info("reload done in %.1f s: %s", time.monotonic() - r.started,
+                 ", ".join(f"{k} {', '.join(v)}" for k, v in summary.items() if v and k != "generations") or "nothing changed")
+        self._after_reload(r.callers, Reply(protocol.reply(**summary)))
+
+    def _release(self, old: TableState, why: str) -> None:
+        holders = sum(1 for c in (self.server.connections.values() if self.server else ()) if c.attached.get(old.name) == old.generation)
+        self.notifier.remove_fd(notify.fd_name(old.name, old.generation))
+        old.region.close()
+        log.info("table %s generation %d released (%s); %d client(s) still map it, and its memory is freed when the "
+                 "last of them unmaps", old.name, old.generation, why, holders)
+
+    def _abort_reload(self, why: str) -> None:
+        r, self._reload = self._reload, None
+        for t in r.tables.values():
+            if t.region is not None:
+                t.region.close()
+        self._reload_failed(why, r.callers)
+
+    def _reload_failed(self, why: str, callers: list[Connection]) -> Reply:
+        """Log it, tell systemd we serve as before, answer ``callers``; the reply is also returned."""
+        log.error("reload failed, nothing changed: %s", why)
+        reply = Reply(protocol.error(protocol.RELOAD_FAILED, reason=why))
+        self._after_reload(callers, reply)
+        return reply
+
+    def _after_reload(self, callers: list[Connection], reply: Reply) -> None:
+        self.notifier.ready(self._serving_status())
+        self._status_sent = self._serving_status()
+        for conn in callers:
+            if self.server is not None and conn is not None:
+                self.server.send(conn, reply)
+        if self._reload_again and self._reload is None and not self._stop.is_set():
+            self._reload_again = False
+            self._begin_reload(None)
+
     def _on_all_ready(self) -> None:
         if self._stop.is_set() or self._ready:
             return
@@ -354,6 +517,9 @@ class Daemon:
         self._next_residency = time.monotonic() + RESIDENCY_EVERY
         self.notifier.ready(self._serving_status())
         self._status_sent = self._serving_status()
+        if self._reload_again:
+            self._reload_again = False
+            self._begin_reload(None)
 
     # -- calls -------------------------------------------------------------------------------
 
@@ -362,6 +528,11 @@ class Daemon:
             return Reply(protocol.reply())
         if method == protocol.STATUS:
             return Reply(protocol.reply(**self.status()))
+        if method == protocol.RELOAD:
+            if conn.peer.uid not in (0, os.geteuid()):
+                log.warning("refused io.pled.Reload from %s: only root and pled's own user may reload", conn.peer.describe())
+                return Reply(protocol.error(protocol.PERMISSION_DENIED, uid=conn.peer.uid))
+            return self._begin_reload(conn)
         if method == protocol.ATTACH:
             name = params.get("table")
             if not isinstance(name, str):
@@ -405,10 +576,16 @@ class Daemon:
     def status(self) -> dict:
         clients = [
             {"pid": c.peer.pid, "uid": c.peer.uid, "command": c.peer.command, "tables": sorted(c.attached),
+             "generations": dict(c.attached),
              "connected_seconds": round(time.monotonic() - c.since, 1)}
             for c in (self.server.connections.values() if self.server else ()) if c.attached
         ]
+        reload = None
+        if self._reload is not None:
+            reload = {"tables": [t.progress() | {"generation": t.generation} for t in self._reload.tables.values()],
+                      "removed": self._reload.removed, "seconds": round(time.monotonic() - self._reload.started, 1)}
         return {
             "version": __version__, "pid": os.getpid(), "uptime_seconds": round(time.monotonic() - self._started, 1),
             "socket": self.config.socket, "tables": [t.status() for t in self.tables.values()], "clients": clients,
+            "reload": reload,
         }

@@ -14,11 +14,13 @@ INTERFACE = "io.pled"
 ATTACH = "io.pled.Attach"
 STATUS = "io.pled.Status"
 PING = "io.pled.Ping"
+RELOAD = "io.pled.Reload"
 
 NO_SUCH_TABLE = "io.pled.NoSuchTable"
 NOT_READY = "io.pled.NotReady"
 PERMISSION_DENIED = "io.pled.PermissionDenied"
 INVALID_MESSAGE = "io.pled.InvalidMessage"
+RELOAD_FAILED = "io.pled.ReloadFailed"
 METHOD_NOT_FOUND = "org.varlink.service.MethodNotFound"
 INVALID_PARAMETER = "org.varlink.service.InvalidParameter"
 

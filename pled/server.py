@@ -66,8 +66,12 @@ def bind(path: str) -> socket.socket:
     """Listen at ``path``: parent created 0750, socket 0660, a stale socket replaced, a live one refused."""
     parent = os.path.dirname(path)
     if not os.path.isdir(parent):
-        os.makedirs(parent, exist_ok=True)
-        os.chmod(parent, 0o750)
+        try:
+            os.makedirs(parent, exist_ok=True)
+            os.chmod(parent, 0o750)
+        except OSError as err:
+            raise PledError(f"cannot create the socket's directory {parent}: {err.strerror}; create it, or set "
+                            "socket in the config to a path under a writable directory (pled.service uses /run/pled)") from err
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -95,7 +99,8 @@ def bind(path: str) -> socket.socket:
         sock.bind(path)
     except OSError as err:
         sock.close()
-        raise PledError(f"cannot create socket {path}: {err.strerror}") from err
+        hint = "free space (or inodes) there" if err.errno in (errno.ENOSPC, errno.EDQUOT) else "check the directory's permissions"
+        raise PledError(f"cannot create socket {path}: {err.strerror or err}; {hint}, or set socket elsewhere in the config") from err
     finally:
         os.umask(old)
     sock.listen(socket.SOMAXCONN)

@@ -213,7 +213,7 @@ def _fill(fd, manifest, sidecar, fill, on_shard, pacer, table) -> tuple[Manifest
         m = mmap.mmap(fd, manifest.region_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         readable = memoryview(m)
     hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pled-hash")
-    digests = []
+    digests, parts = [], []  # futures, and the views they hash: each is released before the mapping closes
     try:
         header = region.encode_header(manifest)
         _write(fd, view, 0, header)
@@ -221,7 +221,8 @@ def _fill(fd, manifest, sidecar, fill, on_shard, pacer, table) -> tuple[Manifest
         for shard, entry in zip(sidecar.shards, manifest.shards):
             t = time.perf_counter()
             _copy_shard(shard, entry.offset, fd, view, pacer, table)
-            digests.append(hasher.submit(_digest, readable[entry.offset : entry.offset + entry.size]))
+            parts.append(readable[entry.offset : entry.offset + entry.size])
+            digests.append(hasher.submit(_digest, parts[-1]))
             # Zero the alignment padding too: every page of the region is then allocated once, here,
             # so the region is exactly as large as the preflight said, and a client's read of a
             # padding page never allocates one on its own account.
@@ -230,8 +231,8 @@ def _fill(fd, manifest, sidecar, fill, on_shard, pacer, table) -> tuple[Manifest
             if on_shard:
                 on_shard(shard, entry.offset, time.perf_counter() - t)
         done = [f.result() for f in digests]
-        for shard, entry, digest in zip(sidecar.shards, manifest.shards, done):
-            _check_digest(sidecar, shard, digest, readable[entry.offset : entry.offset + entry.size])
+        for shard, part, digest in zip(sidecar.shards, parts, done):
+            _check_digest(sidecar, shard, digest, part)
         final = manifest.with_digests(done)
         header = region.encode_header(final)
         if len(header) != len(region.encode_header(manifest)):
@@ -243,6 +244,8 @@ def _fill(fd, manifest, sidecar, fill, on_shard, pacer, table) -> tuple[Manifest
         for f in digests:
             f.cancel()
         hasher.shutdown(wait=True)  # no hash may still read the mapping when it goes
+        for part in parts:
+            part.release()
         # Every writable mapping must be gone before F_SEAL_WRITE can be set.
         readable.release()
         if view is not None:

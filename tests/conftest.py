@@ -1,5 +1,9 @@
+import array
 import os
 import signal
+import socket
+import struct
+import threading
 import subprocess
 import sys
 import time
@@ -105,3 +109,93 @@ def daemon(tmp_path):
     yield start
     for d in started:
         d.stop()
+
+
+class NotifySocket:
+    """Collects sd_notify datagrams: (sender pid, fields, fds)."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.path)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        self.sock.settimeout(0.2)
+        self.messages: list[tuple[int, list[str], list[int]]] = []
+        self._stop = False
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self):
+        fd_space = socket.CMSG_SPACE(253 * 4)
+        cred_space = socket.CMSG_SPACE(struct.calcsize("3i"))
+        while not self._stop:
+            try:
+                data, ancdata, flags, _ = self.sock.recvmsg(65536, fd_space + cred_space)
+            except (TimeoutError, socket.timeout):
+                continue
+            except OSError:
+                return
+            assert not flags & socket.MSG_CTRUNC
+            pid, fds = 0, []
+            for level, kind, payload in ancdata:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    a = array.array("i")
+                    a.frombytes(payload[: len(payload) - len(payload) % a.itemsize])
+                    fds += list(a)
+                elif level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+                    pid = struct.unpack("3i", payload[:12])[0]
+            self.messages.append((pid, data.decode().split("\n"), fds))
+
+    def lines(self, pid: int | None = None) -> list[str]:
+        return [line for p, fields, _ in self.messages if pid in (None, p) for line in fields]
+
+    def wait_for(self, line: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if line in self.lines():
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"{line!r} never arrived; got {self.lines()}")
+
+    def stored(self) -> list[tuple[str, int]]:
+        out = []
+        for _, fields, fds in self.messages:
+            if "FDSTORE=1" in fields:
+                name = next(f[len("FDNAME="):] for f in fields if f.startswith("FDNAME="))
+                out.append((name, fds[0]))
+        return out
+
+    def close(self):
+        self._stop = True
+        self._thread.join()
+        self.sock.close()
+        for _, _, fds in self.messages:
+            for fd in fds:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+
+@pytest.fixture
+def notify_socket(tmp_path):
+    n = NotifySocket(tmp_path / "notify.sock")
+    yield n
+    n.close()
+
+
+def serve(cfg: Path, env: dict, fds: list[tuple[int, str]] = (), log: Path | None = None) -> subprocess.Popen:
+    """pled serve as systemd starts it: LISTEN_PID is its own pid, stored fds at 3, 4, ..."""
+    env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "JOURNAL_STREAM", "WATCHDOG_USEC")} | env
+    redirect = " ".join(f"{3 + i}<&{fd}" for i, (fd, _) in enumerate(fds))
+    if fds:
+        env |= {"LISTEN_FDS": str(len(fds)), "LISTEN_FDNAMES": ":".join(n for _, n in fds)}
+    script = f'{"export LISTEN_PID=$$; " if fds else ""}exec "$0" -m pled serve -c "$1" {redirect}'
+    stderr = open(log, "w") if log else subprocess.DEVNULL
+    return subprocess.Popen(["bash", "-c", script, sys.executable, str(cfg)], env=env, pass_fds=[fd for fd, _ in fds],
+                            stderr=stderr)
+
+
+def stop(proc: subprocess.Popen) -> int:
+    proc.terminate()
+    return proc.wait(timeout=30)

@@ -56,7 +56,9 @@ def snapshot() -> dict[str, str]:
 def write_test_units(units: Path, testdir: str) -> None:
     units.mkdir()
     text = (UNITS / "pled.service").read_text()
-    text = text.replace("/opt/pled/bin/pled serve", f"{Path(sys.executable).parent / 'pled'} serve -c {testdir}/pled.toml")
+    pled = Path(sys.executable).parent / "pled"
+    text = text.replace("/opt/pled/bin/pled serve", f"{pled} serve -c {testdir}/pled.toml")
+    text = text.replace("/opt/pled/bin/pled reload", f"{pled} reload -c {testdir}/pled.toml")
     text = re.sub(r"^ExecStartPre=.*\n", "", text, flags=re.M)  # never touch the host's sysfs from the test
     text = re.sub(r"^Group=pled\n", "", text, flags=re.M)  # no such group on a test machine
     text = text.replace("[Unit]\n", "[Unit]\nDefaultDependencies=no\n", 1)
@@ -198,6 +200,10 @@ def test_pled_service_under_systemd_pid1(tmp_path):
         assert log.count("table ples_int4 adopted from systemd's fd store: generation 1") == 1
         assert "(1 adopted, 0.0 KiB copied)" in log
         assert log.count("shard 4/4") == 1  # staged once, by the first start only
+        pid1.systemctl("reload", "pled.service")  # ExecReload=pled reload: nothing changed, nothing restaged
+        third = pid1.show("ActiveState", "MainPID", "NFileDescriptorStore")
+        assert third == {"ActiveState": "active", "MainPID": second["MainPID"], "NFileDescriptorStore": "1"}
+        assert "reload done" in (testdir / "pled.log").read_text()
     finally:
         if pid1 is not None:
             pid1.stop()

@@ -38,7 +38,7 @@ def verify(unit_dir: Path, unit: str) -> str:
 def installed(tmp_path: Path, drop_ins: bool = False) -> Path:
     """The units as an operator installs them, ExecStart pointing at this environment's pled."""
     text = (UNITS / "pled.service").read_text()
-    assert "/opt/pled/bin/pled" in text
+    assert "/opt/pled/bin/pled serve" in text and "/opt/pled/bin/pled reload" in text
     (tmp_path / "pled.service").write_text(text.replace("/opt/pled/bin/pled", PLED))
     if drop_ins:
         shutil.copytree(UNITS / "pled.service.d", tmp_path / "pled.service.d")
@@ -73,7 +73,7 @@ def test_pled_service_has_what_pled_relies_on():
     assert s["RestartPreventExitStatus"] == "78" and s["Restart"] == "on-failure"
     assert int(s["FileDescriptorStoreMax"]) >= 1 and s["WatchdogSec"] and s["RuntimeDirectory"] == "pled"
     assert s["MemorySwapMax"] == "0" and s["ProtectSystem"] == "strict"
-    assert s["ExecStart"].endswith("pled serve")
+    assert s["ExecStart"].endswith("pled serve") and s["ExecReload"].endswith("pled reload")
     d = settings(UNITS / "vllm.service.d" / "pled.conf")
     assert d["Requires"] == "pled.service" and d["After"] == "pled.service"
     assert d["Environment"] == "PLED_SOCKET=/run/pled/pled.sock"

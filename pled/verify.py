@@ -1,0 +1,96 @@
+"""``pled verify``: is what sits in memory exactly what is on disk? Shard by shard, byte for byte.
+
+Reads each source file (dropping its pages behind it, as staging does) and compares it with the
+region the daemon serves; also re-hashes the region and compares it with the digest recorded
+when it was staged. Exit 0 when everything matches, 1 on any difference, 3 when pled is not running.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import blake3
+
+from . import client, protocol
+from .sizes import gib, rate
+
+CHUNK = 16 * 1024 * 1024
+
+
+def _first_difference(a: memoryview, b: bytes) -> int:
+    lo, hi = 0, len(b)
+    while hi - lo > 4096:  # narrow down by halves, comparing slices in C
+        mid = (lo + hi) // 2
+        if a[lo:mid] != b[lo:mid]:
+            hi = mid
+        else:
+            lo = mid
+    return next(i for i in range(lo, hi) if a[i] != b[i])
+
+
+def verify_shard(table: client.Table, index: int, out=sys.stdout) -> bool:
+    shard = table.shards[index]
+    name = os.path.basename(shard.path)
+    prefix = f"[{index + 1}/{len(table.shards)}] {table.name}/{name}:"
+    buf = memoryview(table.buffer)
+    region_bytes = buf[shard.offset : shard.offset + shard.size]
+    try:
+        if shard.digest:
+            got = "blake3:" + blake3.blake3(region_bytes, max_threads=1).hexdigest()
+            if got != shard.digest:
+                print(f"{prefix} the region no longer matches the digest recorded when it was staged "
+                      f"({got[:23]}... != {shard.digest[:23]}...)", file=out)
+                return False
+        try:
+            fd = os.open(shard.path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            print(f"{prefix} the source file is gone; the region still holds generation {table.generation}", file=out)
+            return False
+        start = time.perf_counter()
+        try:
+            size = os.fstat(fd).st_size
+            if size != shard.size:
+                print(f"{prefix} DIFFERS: the file has {size} bytes, the region {shard.size}", file=out)
+                return False
+            done = 0
+            while done < size:
+                data = os.pread(fd, min(CHUNK, size - done), done)
+                if not data:
+                    print(f"{prefix} the file ended at byte {done} while being read", file=out)
+                    return False
+                if region_bytes[done : done + len(data)] != data:
+                    at = done + _first_difference(region_bytes[done : done + len(data)], data)
+                    print(f"{prefix} DIFFERS at byte {at}: the region has 0x{region_bytes[at]:02x}, the file 0x{data[at - done]:02x}",
+                          file=out)
+                    return False
+                os.posix_fadvise(fd, done, len(data), os.POSIX_FADV_DONTNEED)
+                done += len(data)
+        finally:
+            os.close(fd)
+        seconds = time.perf_counter() - start
+        print(f"{prefix} identical ({gib(shard.size)}, {rate(shard.size, seconds)})", file=out)
+        return True
+    finally:
+        region_bytes.release()
+        buf.release()
+
+
+def verify(socket: str, table: str | None = None, out=sys.stdout) -> int:
+    try:
+        names = [table] if table else [t["table"] for t in client.call(protocol.STATUS, socket=socket)["tables"]]
+        ok = True
+        for name in names:
+            with client.attach(name, socket=socket, populate=False) as t:
+                print(f"table {name} generation {t.generation}: {len(t.shards)} shards, {gib(t.manifest.source_bytes)}", file=out)
+                results = [verify_shard(t, i, out) for i in range(len(t.shards))]
+                bad = results.count(False)
+                print(f"table {name}: {'all shards identical' if not bad else f'{bad} shard(s) differ'}", file=out)
+                ok = ok and not bad
+        return 0 if ok else 1
+    except client.DaemonUnavailable as err:
+        print(f"pled verify: {err}", file=sys.stderr)
+        return 3
+    except client.ClientError as err:
+        print(f"pled verify: {err}", file=sys.stderr)
+        return 1
