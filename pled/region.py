@@ -31,7 +31,7 @@ ALIGN = 2 * 1024 * 1024  # shards start on a PMD huge-page boundary
 _PREFIX = struct.Struct("<8sIIQQ32s")  # 64 bytes
 # Stands in for a shard's digest until staging has computed it: same length, so the manifest's size,
 # and every offset that depends on it, is the same before and after.
-DIGEST_PLACEHOLDER = "blake3:" + "0" * 64
+DIGEST_PLACEHOLDER = "xxh3_128:" + "0" * 32
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
 
 
@@ -50,7 +50,7 @@ class ShardEntry:
     fingerprint: str  # sha256 of the file's safetensors header
     offset: int  # in the region
     rows: int
-    digest: str = ""  # "blake3:<hex>" of the whole file's bytes, computed while staging
+    digest: str = ""  # "xxh3_128:<hex>" of the whole file's bytes, computed while staging
 
 
 @dataclass(frozen=True)

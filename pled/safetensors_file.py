@@ -151,10 +151,10 @@ def _tensor(path: str, name: str, spec: object, data_offset: int, data_size: int
 
 def write(path: str, tensors: list[tuple[str, str, tuple[int, ...], bytes | memoryview]], metadata: dict | None = None) -> str:
     """Write a safetensors file (used by the sidecar generator and tests), padding the header to 8 bytes, and fsync it.
-    Returns the blake3 digest of the file's bytes, as "blake3:<hex>"."""
-    import blake3
+    Returns the xxh3_128 digest of the file's bytes, as "xxh3_128:<hex>", the digest pled records while staging."""
+    import xxhash
 
-    digest = blake3.blake3()
+    digest = xxhash.xxh3_128()
     header: dict = {}
     if metadata:
         header["__metadata__"] = metadata
@@ -172,4 +172,4 @@ def write(path: str, tensors: list[tuple[str, str, tuple[int, ...], bytes | memo
         f.flush()
         # Clean pages: the generator's output must be droppable from page cache like any sidecar on disk.
         os.fsync(f.fileno())
-    return "blake3:" + digest.hexdigest()
+    return "xxh3_128:" + digest.hexdigest()

@@ -49,7 +49,7 @@ class Sidecar:
     rows: int  # total rows in shard order (0 for generic)
     row_width: int  # columns of the dequantized table (0 for generic)
     meta: dict = field(default_factory=dict)
-    # File name -> ("blake3" or "sha256", hex, where it was written), if the sidecar ships digests.
+    # File name -> (algorithm, hex, where it was written), if the sidecar ships digests.
     expected_digests: dict = field(default_factory=dict)
 
     @property
@@ -235,22 +235,25 @@ def _read_meta(path: str, sidecar: Sidecar) -> dict:
 
 
 _SUMS = {"B3SUMS": "blake3", "SHA256SUMS": "sha256"}
-_HEX = re.compile(r"^[0-9a-f]{64}$")
+# The digests a sidecar may ship, and their length in hex digits.
+DIGEST_HEX = {"xxh3_128": 32, "blake3": 64, "sha256": 64}
 
 
 def _read_digests(directory: str, meta: dict, names: set[str]) -> dict:
-    """Digests the sidecar ships: META.json's "digests" ({"shard_0.safetensors": "blake3:<hex>"}) or a
+    """Digests the sidecar ships: META.json's "digests" ({"shard_0.safetensors": "xxh3_128:<hex>"}, or blake3:,
+    or sha256:) or a
     b3sum / sha256sum file beside the shards ("<hex>  shard_0.safetensors" per line)."""
     found: dict = {}
     where = os.path.join(directory, META)
     listed = meta.get("digests")
     if listed is not None:
         if not isinstance(listed, dict):
-            raise SidecarError(where, '"digests" must map shard file names to "blake3:<hex>" or "sha256:<hex>"')
+            raise SidecarError(where, '"digests" must map shard file names to "<algorithm>:<hex>" (xxh3_128, blake3, sha256)')
         for name, value in listed.items():
             algo, _, hexdigest = str(value).partition(":")
-            if algo not in ("blake3", "sha256") or not _HEX.match(hexdigest):
-                raise SidecarError(where, f'digest of {name} is {value!r}; expected "blake3:<64 hex>" or "sha256:<64 hex>"')
+            if not _is_hex(algo, hexdigest):
+                raise SidecarError(where, f'digest of {name} is {value!r}; expected "xxh3_128:<32 hex>", '
+                                          '"blake3:<64 hex>" or "sha256:<64 hex>"')
             found[name] = (algo, hexdigest, where)
     for sums, algo in _SUMS.items():
         path = os.path.join(directory, sums)
@@ -266,10 +269,14 @@ def _read_digests(directory: str, meta: dict, names: set[str]) -> dict:
                 continue
             hexdigest, _, name = line.partition(" ")
             name = name.strip().lstrip("*")
-            if not _HEX.match(hexdigest) or not name:
+            if not _is_hex(algo, hexdigest) or not name:
                 raise SidecarError(path, f"line {number} is not '<hex>  <file name>'")
             found.setdefault(name, (algo, hexdigest, path))
     unknown = sorted(set(found) - names)
     if unknown:
         raise SidecarError(found[unknown[0]][2], f"lists a digest for {unknown[0]}, which is not a shard of this table")
     return found
+
+
+def _is_hex(algo: str, text: str) -> bool:
+    return algo in DIGEST_HEX and len(text) == DIGEST_HEX[algo] and all(c in "0123456789abcdef" for c in text)

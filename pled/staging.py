@@ -19,9 +19,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
-import blake3
+import xxhash
+
 
 from . import hugepages, region
+from .digests import new_hasher
 from .errors import PledError, SidecarError, StagingError
 from .region import Manifest, Region
 from .sidecar import Shard, Sidecar
@@ -167,15 +169,17 @@ def stage(
     on_shard: Callable[[Shard, int, float], None] | None = None,
     should_stop: Callable[[], bool] = lambda: False,
     bandwidth: int | None = None,
+    digests: bool = True,
 ) -> Region:
-    """Stage ``sidecar`` into a new sealed memfd; the caller owns the returned Region."""
+    """Stage ``sidecar`` into a new sealed memfd; the caller owns the returned Region.
+    ``digests=False`` skips hashing (the benchmark's baseline for what hashing costs)."""
     planned = region.plan(table, sidecar)
     fill = plan_fill(huge_pages, hugepages.read_policy(sys_root))
     fd = os.memfd_create(f"pled:{table}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, planned.region_bytes)
         start = time.perf_counter()
-        manifest, huge_bytes = _fill(fd, planned, sidecar, fill, on_shard, Pacer(bandwidth, should_stop), table)
+        manifest, huge_bytes = _fill(fd, planned, sidecar, fill, on_shard, Pacer(bandwidth, should_stop), table, digests)
         seconds = time.perf_counter() - start
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, region.SEALS)
     except BaseException:
@@ -184,36 +188,47 @@ def stage(
     return Region(fd, manifest, StageStats(seconds, huge_bytes, fill))
 
 
-def _digest(view: memoryview) -> str:
-    # blake3 releases the GIL: this runs on the other core while the next shard is copied.
-    return "blake3:" + blake3.blake3(view, max_threads=1).hexdigest()
+_HASH_CHUNK = 4 * 1024 * 1024
 
 
-def _check_digest(sidecar: Sidecar, shard: Shard, digest: str, view: memoryview) -> None:
+def _digests(fd: int, offset: int, size: int, shipped: str | None) -> tuple[str, str | None]:
+    """Digest a shard's bytes in the region, read with pread in chunks: a mapping would cost a page fault
+    per 4 KiB page, which contends with the copy still writing the same memfd."""
+    own = xxhash.xxh3_128()
+    other = None if shipped in (None, "xxh3_128") else new_hasher(shipped)
+    buf = bytearray(_HASH_CHUNK)
+    view = memoryview(buf)
+    done = 0
+    while done < size:
+        n = os.preadv(fd, [view[: min(_HASH_CHUNK, size - done)]], offset + done)
+        own.update(view[:n])
+        if other is not None:
+            other.update(view[:n])
+        done += n
+    mine = own.hexdigest()
+    return "xxh3_128:" + mine, (mine if shipped == "xxh3_128" else other.hexdigest() if other else None)
+
+
+def _check_digest(sidecar: Sidecar, shard: Shard, actual: str | None) -> None:
     """Refuse a shard whose content does not match the digest its sidecar ships."""
     expected = sidecar.expected_digests.get(shard.name)
     if expected is None:
         return
     algo, hexdigest, where = expected
-    actual = digest.partition(":")[2] if algo == "blake3" else hashlib.sha256(view).hexdigest()
     if actual != hexdigest:
         raise SidecarError(shard.path, f"content {algo}:{actual[:16]}... does not match {algo}:{hexdigest[:16]}... in {where}; "
                                        "the file is damaged or the digest is stale: copy the shard again")
 
 
-def _fill(fd, manifest, sidecar, fill, on_shard, pacer, table) -> tuple[Manifest, int]:
+def _fill(fd, manifest, sidecar, fill, on_shard, pacer, table, hashing: bool = True) -> tuple[Manifest, int]:
     """Copy every shard in, hash each one from memory while the next is copied, write the final header."""
     m = view = None
     if fill.method == FAULT:
         m = mmap.mmap(fd, manifest.region_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         m.madvise(mmap.MADV_HUGEPAGE)
         view = memoryview(m)
-        readable = view
-    else:  # a read-only view to hash from; it too must go before sealing (it may become writable)
-        m = mmap.mmap(fd, manifest.region_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        readable = memoryview(m)
     hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pled-hash")
-    digests, parts = [], []  # futures, and the views they hash: each is released before the mapping closes
+    digests = []
     try:
         header = region.encode_header(manifest)
         _write(fd, view, 0, header)
@@ -221,8 +236,9 @@ def _fill(fd, manifest, sidecar, fill, on_shard, pacer, table) -> tuple[Manifest
         for shard, entry in zip(sidecar.shards, manifest.shards):
             t = time.perf_counter()
             _copy_shard(shard, entry.offset, fd, view, pacer, table)
-            parts.append(readable[entry.offset : entry.offset + entry.size])
-            digests.append(hasher.submit(_digest, parts[-1]))
+            if hashing:
+                shipped = sidecar.expected_digests.get(shard.name, (None,))[0]
+                digests.append(hasher.submit(_digests, fd, entry.offset, entry.size, shipped))
             # Zero the alignment padding too: every page of the region is then allocated once, here,
             # so the region is exactly as large as the preflight said, and a client's read of a
             # padding page never allocates one on its own account.
@@ -231,9 +247,9 @@ def _fill(fd, manifest, sidecar, fill, on_shard, pacer, table) -> tuple[Manifest
             if on_shard:
                 on_shard(shard, entry.offset, time.perf_counter() - t)
         done = [f.result() for f in digests]
-        for shard, part, digest in zip(sidecar.shards, parts, done):
-            _check_digest(sidecar, shard, digest, part)
-        final = manifest.with_digests(done)
+        for shard, (_, shipped) in zip(sidecar.shards, done):
+            _check_digest(sidecar, shard, shipped)
+        final = manifest.with_digests([own for own, _ in done]) if hashing else manifest
         header = region.encode_header(final)
         if len(header) != len(region.encode_header(manifest)):
             raise AssertionError("a digest changed the manifest's length")  # DIGEST_PLACEHOLDER has their length
@@ -243,14 +259,12 @@ def _fill(fd, manifest, sidecar, fill, on_shard, pacer, table) -> tuple[Manifest
     finally:
         for f in digests:
             f.cancel()
-        hasher.shutdown(wait=True)  # no hash may still read the mapping when it goes
-        for part in parts:
-            part.release()
+        hasher.shutdown(wait=True)  # no hash may still read the region when an error closes it
         # Every writable mapping must be gone before F_SEAL_WRITE can be set.
-        readable.release()
         if view is not None:
             view.release()
-        m.close()
+        if m is not None:
+            m.close()
 
 
 def _write(fd: int, view: memoryview | None, offset: int, data: bytes) -> None:

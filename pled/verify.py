@@ -10,9 +10,8 @@ import os
 import sys
 import time
 
-import blake3
-
 from . import client, protocol
+from .digests import hash_bytes
 from .sizes import gib, rate
 
 CHUNK = 16 * 1024 * 1024
@@ -37,7 +36,8 @@ def verify_shard(table: client.Table, index: int, out=sys.stdout) -> bool:
     region_bytes = buf[shard.offset : shard.offset + shard.size]
     try:
         if shard.digest:
-            got = "blake3:" + blake3.blake3(region_bytes, max_threads=1).hexdigest()
+            algo = shard.digest.partition(":")[0]
+            got = f"{algo}:{hash_bytes(algo, region_bytes)}"
             if got != shard.digest:
                 print(f"{prefix} the region no longer matches the digest recorded when it was staged "
                       f"({got[:23]}... != {shard.digest[:23]}...)", file=out)

@@ -121,7 +121,7 @@ def test_a_corrupt_shard_is_refused_by_its_digest_and_found_by_verify(tmp_path, 
     (d / "shard_2.safetensors").write_bytes(bad)
     r = run_pled("serve", "-c", write_config(tmp_path / "a.toml", {"t": d}, headroom_margin=0))
     assert r.returncode == 78
-    assert "shard_2.safetensors: content blake3:" in r.stderr and "does not match" in r.stderr and "META.json" in r.stderr
+    assert "shard_2.safetensors: content xxh3_128:" in r.stderr and "does not match" in r.stderr and "META.json" in r.stderr
     # Without the shipped digests the same file stages; `pled verify` then finds what differs from the disk.
     (d / "shard_2.safetensors").write_bytes(good)
     meta = d / "META.json"
@@ -145,7 +145,9 @@ def test_sums_files_are_checked_too(tmp_path, sidecar):
     doc = json.loads((d / "META.json").read_text())
     digests = doc.pop("digests")
     (d / "META.json").write_text(json.dumps(doc))
-    (d / "B3SUMS").write_text("".join(f"{v.split(':')[1]}  {k}\n" for k, v in digests.items()))
+    import blake3
+
+    (d / "B3SUMS").write_text("".join(f"{blake3.blake3((d / k).read_bytes()).hexdigest()}  {k}\n" for k in digests))
     assert run_pled("serve", "-c", write_config(tmp_path / "ok.toml", {"t": d}, headroom_margin="1000TiB")).returncode == 78
     (d / "B3SUMS").write_text(f"{'0' * 64}  shard_1.safetensors\n")
     r = run_pled("serve", "-c", write_config(tmp_path / "bad.toml", {"t": d}, headroom_margin=0))
