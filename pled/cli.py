@@ -58,15 +58,24 @@ def _serve(args) -> int:
 EX_NOT_RUNNING = 3  # as systemctl status and LSB init scripts say "not running"
 
 
-def _status(args) -> int:
-    from . import client, protocol
-    from .sizes import gib
+def _call(args, method: str, command: str) -> tuple[dict | None, int]:
+    """One call to the daemon for a command: (reply, 0), or (None, exit status) with the error printed."""
+    from . import client
 
     try:
-        st = client.call(protocol.STATUS, socket=_socket_for(args), timeout=args.timeout)
+        return client.call(method, socket=_socket_for(args), timeout=args.timeout), 0
     except client.ClientError as err:
-        print(f"pled status: {err}", file=sys.stderr)
-        return EX_NOT_RUNNING if isinstance(err, client.DaemonUnavailable) else 1
+        print(f"pled {command}: {err}", file=sys.stderr)
+        return None, EX_NOT_RUNNING if isinstance(err, client.DaemonUnavailable) else 1
+
+
+def _status(args) -> int:
+    from . import protocol
+    from .sizes import gib
+
+    st, failed = _call(args, protocol.STATUS, "status")
+    if st is None:
+        return failed
     healthy = all(t["state"] == "ready" and t.get("resident_share", 0) >= 0.999 for t in st["tables"])
     if args.json:
         print(json.dumps({**st, "healthy": healthy}, indent=2))
@@ -106,13 +115,11 @@ def _socket_for(args) -> str:
 
 
 def _reload(args) -> int:
-    from . import client, protocol
+    from . import protocol
 
-    try:
-        result = client.call(protocol.RELOAD, socket=_socket_for(args), timeout=args.timeout)
-    except client.ClientError as err:
-        print(f"pled reload: {err}", file=sys.stderr)
-        return EX_NOT_RUNNING if isinstance(err, client.DaemonUnavailable) else 1
+    result, failed = _call(args, protocol.RELOAD, "reload")
+    if result is None:
+        return failed
     gens = result.get("generations", {})
     for key in ("changed", "added", "removed", "unchanged"):
         names = result.get(key) or []

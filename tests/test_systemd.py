@@ -65,6 +65,17 @@ def _stage_once(cfg: Path, tmp_path: Path) -> tuple[int, str]:
     return keep, name
 
 
+def _start_with(cfg: Path, notify_socket, fds: list[tuple[int, str]], log: Path) -> None:
+    """pled started as systemd would start it with these stored fds; ready, then stopped."""
+    proc = serve(cfg, {"NOTIFY_SOCKET": notify_socket.path}, fds=fds, log=log)
+    for fd, _ in fds:
+        os.close(fd)
+    try:
+        notify_socket.wait_for("READY=1")
+    finally:
+        stop(proc)
+
+
 def _drop_cache(d: Path) -> None:
     for f in d.glob("*.safetensors"):
         fd = os.open(f, os.O_RDONLY)
@@ -108,12 +119,7 @@ def test_changed_sources_are_staged_anew_and_the_old_entry_removed(tmp_path, not
     fd, name = _stage_once(cfg, tmp_path)
     make_sidecar(str(d), "ples_int4", shards=3, rows=1000, seed=99)  # re-quantized: same sizes, new bytes
     log = tmp_path / "second.log"
-    proc = serve(cfg, {"NOTIFY_SOCKET": notify_socket.path}, fds=[(fd, name)], log=log)
-    os.close(fd)
-    try:
-        notify_socket.wait_for("READY=1")
-    finally:
-        stop(proc)
+    _start_with(cfg, notify_socket, [(fd, name)], log)
     lines = notify_socket.lines()
     removed = lines.index("FDSTOREREMOVE=1")
     assert lines[removed + 1] == "FDNAME=pled.1.t"
@@ -131,13 +137,7 @@ def test_unrecognised_stored_fds_are_removed(sidecar, tmp_path, notify_socket):
                                         headroom_margin=0, socket=str(tmp_path / "o.sock")), tmp_path)
     fds = [(junk, "pled.1.t"), (other, "pled.3.gone"), (os.dup(junk), "something-else")]
     log = tmp_path / "log"
-    proc = serve(cfg, {"NOTIFY_SOCKET": notify_socket.path}, fds=fds, log=log)
-    for fd, _ in fds:
-        os.close(fd)
-    try:
-        notify_socket.wait_for("READY=1")
-    finally:
-        stop(proc)
+    _start_with(cfg, notify_socket, fds, log)
     lines = notify_socket.lines()
     removed = {lines[i + 1] for i, line in enumerate(lines) if line == "FDSTOREREMOVE=1"}
     assert removed == {"FDNAME=pled.1.t", "FDNAME=pled.3.gone", "FDNAME=something-else"}
