@@ -242,6 +242,22 @@ def populate_per_gib(sock: str, table: str, runs: int) -> list[float]:
 
 # -- 3. cold-start gathers -----------------------------------------------------------------------
 
+def cpu_busy(seconds: float = 1.0) -> float:
+    def sample():
+        fields = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+        return sum(fields), fields[3] + fields[4]  # total, idle + iowait
+    t0, i0 = sample()
+    time.sleep(seconds)
+    t1, i1 = sample()
+    return 1 - (i1 - i0) / max(1, t1 - t0)
+
+
+def settle(limit: float = 60.0) -> None:
+    """Wait until the machine is quiet (kcompactd and khugepaged work on after a huge-page staging)."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline and cpu_busy() > 0.2:
+        pass
+
 def gather_run(args: list[str], requests: int, ids: int) -> dict:
     r = subprocess.run([sys.executable, "-m", "bench.gather_worker", *args, "--requests", str(requests), "--ids", str(ids)],
                        capture_output=True, text=True, check=True, cwd=ROOT)
@@ -270,6 +286,7 @@ def bench_gathers(d: Path, sock: str, table: str, repeats: int, requests: int, i
     for rep in range(repeats):
         for name, (args, prepare) in cases.items():
             prepare()
+            settle()
             result = gather_run(args, requests, ids)
             out.setdefault(name, []).append(result)
             log(f"gathers {name}: first {result['first']:.0f} rows/s, asymptote {result['asymptote']:.0f}, "

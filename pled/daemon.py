@@ -491,8 +491,9 @@ class Daemon:
         return reply
 
     def _after_reload(self, callers: list[Connection], reply: Reply) -> None:
-        self.notifier.ready(self._serving_status())
-        self._status_sent = self._serving_status()
+        if not self._stop.is_set():  # never READY=1 after STOPPING=1
+            self.notifier.ready(self._serving_status())
+            self._status_sent = self._serving_status()
         for conn in callers:
             if self.server is not None and conn is not None:
                 self.server.send(conn, reply)
