@@ -271,17 +271,21 @@ def gather_run(args: list[str], requests: int, ids: int) -> dict:
             "populate_s": data["populate_s"], "setup_s": data["setup_s"]}
 
 
-def bench_gathers(d: Path, sock: str, table: str, repeats: int, requests: int, ids: int, huge_sock: str | None) -> dict:
+def gather_cases(d: Path, sock: str, table: str, pages: str | None) -> dict:
+    """The cases of one pass: the mmap baselines and pled with 4 KiB pages, or pled with huge pages."""
     files = shard_files(d)
-    cases = {
+    if pages == "huge pages":
+        return {f"(c) pled, fresh process, pre-faulted ({pages})": (["pled", table, "--socket", sock], lambda: None),
+                f"(c) pled, fresh process, not pre-faulted ({pages})": (["pled", table, "--socket", sock, "--no-populate"], lambda: None)}
+    return {
         "(a) files mmapped, cold page cache": (["mmap", str(d)], lambda: drop_cache(files)),
         "(b) files mmapped, warm page cache": (["mmap", str(d)], lambda: warm_cache(files)),
         "(c) pled, fresh process, pre-faulted (4 KiB pages)": (["pled", table, "--socket", sock], lambda: None),
         "(c) pled, fresh process, not pre-faulted (4 KiB pages)": (["pled", table, "--socket", sock, "--no-populate"], lambda: None),
     }
-    if huge_sock:
-        cases["(c) pled, fresh process, pre-faulted (huge pages)"] = (["pled", table, "--socket", huge_sock], lambda: None)
-        cases["(c) pled, fresh process, not pre-faulted (huge pages)"] = (["pled", table, "--socket", huge_sock, "--no-populate"], lambda: None)
+
+
+def bench_gathers(cases: dict, repeats: int, requests: int, ids: int) -> dict:
     out = {}
     for rep in range(repeats):
         for name, (args, prepare) in cases.items():
@@ -357,7 +361,7 @@ def write_report(res: dict, command: str, path: Path) -> None:
         "## 1. Staging throughput", "",
         "Cold: every shard's page cache dropped first (POSIX_FADV_DONTNEED on each shard, which leaves the rest of the",
         "host's page cache alone). `dd iflag=direct` is the disk's own limit; `cp` to /dev/shm is what an operator",
-        "would do by hand; \"pled without digests\" is pled's staging without the blake3 digest of each shard, to",
+        "would do by hand; \"pled without digests\" is pled's staging without the xxh3_128 digest of each shard, to",
         "show what hashing (on the other core, while the next shard is copied) costs. This disk is a virtio device:",
         "\"cold\" means cold in this machine's page cache, not in its host's, so cold reads can beat O_DIRECT.", "",
         "| method | cold GB/s | warm GB/s | pled / this, cold | pled / this, warm |", "|---|---|---|---|---|",
@@ -452,6 +456,7 @@ def main() -> int:
     p.add_argument("--size-gib", type=float, default=4.0)
     p.add_argument("--shards", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--staging-repeats", type=int, default=5, help="staging is the noisiest measurement here")
     p.add_argument("--attaches", type=int, default=1000)
     p.add_argument("--requests", type=int, default=45)
     p.add_argument("--ids", type=int, default=8192)
@@ -473,26 +478,29 @@ def main() -> int:
         sidecar = open_table(str(d))
         res = {"machine": machine(), "table_name": "ples_int4", "gather_ids": a.ids, "gather_requests": a.requests,
                "table": {"layout": sidecar.layout, "shards": len(sidecar.shards), "rows": sidecar.rows}}
-        res["staging"] = bench_staging(d, a.repeats)
+        res["staging"] = bench_staging(d, a.staging_repeats)
         daemon = Daemon(work, "main", {"ples_int4": d, "ples128": small})
         daemons.append(daemon)
         daemon.wait_ready()
         res["daemon"] = daemon.status()
         res["attach"] = bench_attach(daemon.socket, ["ples_int4", "ples128"], a.attaches, a.repeats, "ples_int4")
-        huge_sock = None
+        # 4 KiB pages first, huge pages after: staging a huge-page table makes the kernel compact memory,
+        # migrating other tables' pages under their mappings, which would disturb the 4 KiB runs.
+        res["gathers"] = bench_gathers(gather_cases(d, daemon.socket, "ples_int4", None), a.repeats, a.requests, a.ids)
         with contextlib.ExitStack() as stack:
             if not a.no_huge_pages and SHMEM.exists():
                 try:
                     stack.enter_context(shmem_enabled("advise"))
+                except OSError as err:
+                    log(f"huge pages not measured: cannot set {SHMEM} ({err})")
+                else:
                     huge = Daemon(work, "huge", {"ples_int4": d})
                     daemons.append(huge)
                     huge.wait_ready()
-                    huge_sock = huge.socket
-                    res["attach_huge"] = {"populate_s_per_gib": summary(populate_per_gib(huge_sock, "ples_int4", a.repeats))}
+                    res["attach_huge"] = {"populate_s_per_gib": summary(populate_per_gib(huge.socket, "ples_int4", a.repeats))}
                     res["huge_share"] = [line for line in huge.log_path.read_text().splitlines() if "staged:" in line][0]
-                except OSError as err:
-                    log(f"huge pages not measured: cannot set {SHMEM} ({err})")
-            res["gathers"] = bench_gathers(d, daemon.socket, "ples_int4", a.repeats, a.requests, a.ids, huge_sock)
+                    res["gathers"] |= bench_gathers(gather_cases(d, huge.socket, "ples_int4", "huge pages"), a.repeats,
+                                                    a.requests, a.ids)
         for dm in daemons:
             dm.stop()
         res["restart"] = bench_restart(work, d, a.repeats)
