@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 
 THP = "/sys/kernel/mm/transparent_hugepage"
+PMD_SIZE = 2 * 1024 * 1024
 ENABLE_HINT = (
     "echo advise > /sys/kernel/mm/transparent_hugepage/shmem_enabled "
     "(affects only memory that asks for huge pages; pled.service does this in ExecStartPre=)"
