@@ -22,7 +22,22 @@ ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 HERE = Path(__file__).parent / "vllm_env"
 
+VLLM_TMP = ["/tmp"]  # set by the vllm_tmpdir fixture
+
 pytestmark = pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm: run `make test` (it builds it) or `make vllm-env`")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm_tmpdir():
+    """vLLM leaves its IPC sockets and files in $TMPDIR: give it a short one of its own, removed afterwards
+    (short, because a Unix socket path has at most 107 bytes)."""
+    import shutil
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="pledv-", dir="/tmp")
+    VLLM_TMP[0] = d
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +51,7 @@ def model(tmp_path_factory) -> Path:
 def generate(model: Path, env: dict | None = None, additional: dict | None = None, hold: bool = False):
     """Run vllm.LLM in a fresh process of the vLLM environment."""
     full = {k: v for k, v in os.environ.items() if not k.startswith("PLED_")}
+    full["TMPDIR"] = VLLM_TMP[0]
     full |= {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "OMP_NUM_THREADS": "2",
              "VLLM_LOGGING_LEVEL": "INFO", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"} | (env or {})
     args = [str(VLLM_PYTHON), str(HERE / "generate.py"), str(model)] + ([json.dumps(additional)] if additional else [])
