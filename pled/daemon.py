@@ -299,7 +299,8 @@ class Daemon:
         if self.notifier.watchdog_interval and now >= self._next_watchdog and self._healthy():
             self.notifier.watchdog()
             self._next_watchdog = now + self.notifier.watchdog_interval
-        staging_now = [t for t in self.tables.values() if t.state == "staging"]
+        pending = list(self.tables.values()) + (list(self._reload.tables.values()) if self._reload else [])
+        staging_now = [t for t in pending if t.state == "staging"]  # a reload's stagings extend its timeout too
         if staging_now:
             t = staging_now[0]
             when, done = self._extended
