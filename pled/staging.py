@@ -19,11 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
-import xxhash
-
-
 from . import hugepages, region
-from .digests import new_hasher
+from .digests import OWN, new_hasher
 from .errors import PledError, SidecarError, StagingError
 from .region import Manifest, Region
 from .sidecar import Shard, Sidecar
@@ -194,19 +191,15 @@ _HASH_CHUNK = 4 * 1024 * 1024
 def _digests(fd: int, offset: int, size: int, shipped: str | None) -> tuple[str, str | None]:
     """Digest a shard's bytes in the region, read with pread in chunks: a mapping would cost a page fault
     per 4 KiB page, which contends with the copy still writing the same memfd."""
-    own = xxhash.xxh3_128()
-    other = None if shipped in (None, "xxh3_128") else new_hasher(shipped)
-    buf = bytearray(_HASH_CHUNK)
-    view = memoryview(buf)
+    hashers = {algo: new_hasher(algo) for algo in {OWN, shipped} - {None}}
+    view = memoryview(bytearray(_HASH_CHUNK))
     done = 0
     while done < size:
         n = os.preadv(fd, [view[: min(_HASH_CHUNK, size - done)]], offset + done)
-        own.update(view[:n])
-        if other is not None:
-            other.update(view[:n])
+        for hasher in hashers.values():
+            hasher.update(view[:n])
         done += n
-    mine = own.hexdigest()
-    return "xxh3_128:" + mine, (mine if shipped == "xxh3_128" else other.hexdigest() if other else None)
+    return f"{OWN}:{hashers[OWN].hexdigest()}", (hashers[shipped].hexdigest() if shipped else None)
 
 
 def _check_digest(sidecar: Sidecar, shard: Shard, actual: str | None) -> None:
@@ -231,6 +224,7 @@ def _fill(fd, manifest, sidecar, fill, on_shard, pacer, table, hashing: bool = T
     digests = []
     try:
         header = region.encode_header(manifest)
+        planned_length = len(header)
         _write(fd, view, 0, header)
         _write(fd, view, len(header), bytes(manifest.data_offset - len(header)))
         for shard, entry in zip(sidecar.shards, manifest.shards):
@@ -251,7 +245,7 @@ def _fill(fd, manifest, sidecar, fill, on_shard, pacer, table, hashing: bool = T
             _check_digest(sidecar, shard, shipped)
         final = manifest.with_digests([own for own, _ in done]) if hashing else manifest
         header = region.encode_header(final)
-        if len(header) != len(region.encode_header(manifest)):
+        if len(header) != planned_length:
             raise AssertionError("a digest changed the manifest's length")  # DIGEST_PLACEHOLDER has their length
         _write(fd, view, 0, header)
         huge = hugepages.pmd_mapped_bytes(_address(m)) if fill.method == FAULT else 0
