@@ -36,10 +36,10 @@ def _inspect(args) -> int:
 
 
 def _preflight(args) -> int:
-    from .daemon import open_tables, run_preflight
+    from .daemon import open_tables, plan_tables, run_preflight
 
     config = config_mod.load(args.config)
-    verdict = run_preflight(config, open_tables(config))
+    verdict = run_preflight(config, plan_tables(open_tables(config)))
     if args.json:
         print(json.dumps(verdict.as_dict(), indent=2))
     else:

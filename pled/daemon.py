@@ -45,9 +45,13 @@ def open_tables(config: Config) -> dict[str, Sidecar]:
     return {t.name: open_table(t.path) for t in config.tables}
 
 
-def run_preflight(config: Config, sidecars: dict[str, Sidecar], proc_root: str = "/") -> preflight.Verdict:
-    needs = {name: region.plan(name, s).region_bytes for name, s in sidecars.items()}
-    return preflight.check(needs, config.headroom_margin, proc_root)
+def plan_tables(sidecars: dict[str, Sidecar]) -> dict[str, region.Manifest]:
+    return {name: region.plan(name, s) for name, s in sidecars.items()}
+
+
+def run_preflight(config: Config, manifests: dict[str, region.Manifest], proc_root: str = "/") -> preflight.Verdict:
+    """Will these planned regions fit? Their exact sizes against what this process can have."""
+    return preflight.check({name: m.region_bytes for name, m in manifests.items()}, config.headroom_margin, proc_root)
 
 
 @dataclass(eq=False)
@@ -70,9 +74,15 @@ class TableState:
             "bytes_done": self.bytes_done, "bytes": self.manifest.source_bytes,
         }
 
-    def measure(self) -> float:
-        self.resident_share = cached_bytes_fd(self.region.fd) / self.manifest.region_bytes
-        return self.resident_share
+    def measure(self) -> int:
+        """Bytes of the region in memory now (cachestat on the memfd); keeps the share for STATUS=."""
+        resident = cached_bytes_fd(self.region.fd)
+        self.resident_share = resident / self.manifest.region_bytes
+        return resident
+
+    def staged(self, r: Region) -> None:
+        self.region, self.state, self.manifest = r, "ready", r.manifest  # with its digests
+        log.info("%s", staging.describe_ready(r))
 
     def sources(self) -> str:
         """Whether the files this generation was staged from are still there as they were."""
@@ -99,7 +109,7 @@ class TableState:
         if r is not None and not r.closed:
             stats = r.stats
             out.update(
-                resident_bytes=cached_bytes_fd(r.fd),
+                resident_bytes=self.measure(),
                 huge_page_bytes=stats.huge_bytes if stats else None,
                 page_size=("2 MiB" if stats.huge_bytes else "4 KiB") if stats else None,
                 huge_page_policy=stats.fill.policy if stats else None,
@@ -107,7 +117,7 @@ class TableState:
                 sealed=region.is_sealed(r.fd),
                 staging_seconds=round(stats.seconds, 3) if stats else None,
             )
-            out["resident_share"] = out["resident_bytes"] / self.manifest.region_bytes
+            out["resident_share"] = self.resident_share
         return out
 
 
@@ -210,7 +220,7 @@ class Daemon:
             for item in stored:  # keep systemd's copies: a fixed config may adopt them next time
                 os.close(item.fd)
             raise
-        planned = {name: region.plan(name, s) for name, s in sidecars.items()}
+        planned = plan_tables(sidecars)
         sorted_fds = fdstore.sort_stored(stored, planned, self.notifier)
         for name, sidecar in sidecars.items():
             t = TableState(name, sidecar, planned[name], generation=sorted_fds.generations.get(name, 1))
@@ -221,7 +231,7 @@ class Daemon:
                 log.info("table %s adopted from systemd's fd store: generation %d, %s, 0 bytes copied, sources unchanged",
                          name, t.generation, gib(t.manifest.region_bytes))
             self.tables[name] = t
-        to_stage = {n: sidecars[n] for n, t in self.tables.items() if t.state != "ready"}
+        to_stage = {n: t.manifest for n, t in self.tables.items() if t.state != "ready"}
         if not to_stage:
             return
         verdict = run_preflight(self.config, to_stage, self.proc_root)
@@ -321,7 +331,8 @@ class Daemon:
         for t in self.tables.values():
             if t.region is None:
                 continue
-            share = t.measure()
+            t.measure()
+            share = t.resident_share
             if share < 0.9995:
                 log.warning("table %s is only %.1f%% resident (%s of %s); its pages were swapped out: set "
                             "MemorySwapMax=0 for pled.service or turn swap off", t.name, share * 100,
@@ -371,8 +382,7 @@ class Daemon:
                 self._reload_event(kind, t, payload)
                 continue
             if kind == "ready":
-                t.region, t.state, t.manifest = payload, "ready", payload.manifest
-                log.info("%s", staging.describe_ready(payload))
+                t.staged(payload)
                 if self.notifier.store_fd(payload.fd, notify.fd_name(t.name, t.generation)):
                     log.info("table %s generation %d handed to systemd's fd store", t.name, t.generation)
                 if self.server is not None:
@@ -418,7 +428,7 @@ class Daemon:
                 fresh[name] = TableState(name, sidecar, planned, generation=(cur.generation + 1) if cur else 1)
             removed = [n for n in self.tables if n not in sidecars]
             if fresh:
-                verdict = run_preflight(config, {n: t.sidecar for n, t in fresh.items()}, self.proc_root)
+                verdict = run_preflight(config, {n: t.manifest for n, t in fresh.items()}, self.proc_root)
                 (log.info if verdict.ok else log.error)("reload %s", verdict.message)
                 verdict.raise_if_refused()
         except PledError as err:
@@ -436,8 +446,7 @@ class Daemon:
 
     def _reload_event(self, kind: str, t: TableState, payload) -> None:
         if kind == "ready":
-            t.region, t.state, t.manifest = payload, "ready", payload.manifest
-            log.info("%s", staging.describe_ready(payload))
+            t.staged(payload)
             if all(x.state == "ready" for x in self._reload.tables.values()):
                 self._commit_reload()
         elif kind == "failed":
@@ -492,13 +501,18 @@ class Daemon:
         return reply
 
     def _after_reload(self, callers: list[Connection], reply: Reply) -> None:
-        if not self._stop.is_set():  # never READY=1 after STOPPING=1
-            self.notifier.ready(self._serving_status())
-            self._status_sent = self._serving_status()
         for conn in callers:
-            if self.server is not None and conn is not None:
+            if self.server is not None:
                 self.server.send(conn, reply)
-        if self._reload_again and self._reload is None and not self._stop.is_set():
+        self._announce_ready()
+
+    def _announce_ready(self) -> None:
+        """READY=1 with what is served; then a reload asked for (SIGHUP) while this was not possible."""
+        if self._stop.is_set():  # never READY=1 after STOPPING=1
+            return
+        self._status_sent = self._serving_status()
+        self.notifier.ready(self._status_sent)
+        if self._reload_again and self._reload is None:
             self._reload_again = False
             self._begin_reload(None)
 
@@ -517,11 +531,7 @@ class Daemon:
                  "serving on %s", len(tables), gib(total), sum(t.origin == "adopted" for t in tables), gib(copied),
                  seconds, gib(rss), self.config.socket)
         self._next_residency = time.monotonic() + RESIDENCY_EVERY
-        self.notifier.ready(self._serving_status())
-        self._status_sent = self._serving_status()
-        if self._reload_again:
-            self._reload_again = False
-            self._begin_reload(None)
+        self._announce_ready()
 
     # -- calls -------------------------------------------------------------------------------
 
