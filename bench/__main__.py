@@ -24,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from pled import region, staging
+from pled import staging
 from pled.generator import make_sidecar
 from pled.hugepages import THP
 from pled.pagecache import cached_bytes

@@ -9,16 +9,14 @@ with numpy (pled.dequant), the way a CPU dequant worker would. Each request's ro
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import mmap
-import os
 import sys
 import time
 
 import numpy as np
 
-from pled import dequant, region
+from pled import dequant
 from pled.sidecar import open_table
 
 

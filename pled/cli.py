@@ -8,7 +8,8 @@ import os
 import sys
 
 from . import __version__, config as config_mod, logs
-from .errors import EX_CONFIG, PledError
+from .layouts import LAYOUTS
+from .errors import EX_CONFIG, EX_NOT_RUNNING, PledError
 
 log = logging.getLogger("pled")
 
@@ -53,9 +54,6 @@ def _serve(args) -> int:
     from .daemon import Daemon
 
     return Daemon(config_mod.load(args.config)).run()
-
-
-EX_NOT_RUNNING = 3  # as systemctl status and LSB init scripts say "not running"
 
 
 def _call(args, method: str, command: str) -> tuple[dict | None, int]:
@@ -160,6 +158,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = p.add_subparsers(dest="command", required=True)
     config_help = f"config file (default ${config_mod.ENV_VAR} or {config_mod.DEFAULT_PATH})"
+    layouts = list(LAYOUTS)
+    # The commands that talk to a running daemon find its socket the same way.
+    daemon = argparse.ArgumentParser(add_help=False)
+    daemon.add_argument("-c", "--config", help=config_help + "; read for its socket")
+    daemon.add_argument("--socket", help="the daemon's socket (default $PLED_SOCKET, else the config's)")
 
     s = sub.add_parser("inspect", help="validate a sidecar directory or glob and describe it")
     s.add_argument("path")
@@ -175,27 +178,22 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("-c", "--config", help=config_help)
     s.set_defaults(func=_serve)
 
-    s = sub.add_parser("status", help="what the running daemon holds, and who is attached")
-    s.add_argument("-c", "--config", help=config_help + "; read for its socket")
-    s.add_argument("--socket", help="the daemon's socket (default $PLED_SOCKET, else the config's)")
+    s = sub.add_parser("status", parents=[daemon], help="what the running daemon holds, and who is attached")
     s.add_argument("--json", action="store_true")
     s.add_argument("--timeout", type=float, default=5.0)
     s.set_defaults(func=_status)
 
-    s = sub.add_parser("reload", help="re-read the config; stage new or changed tables as new generations, then switch")
-    s.add_argument("-c", "--config", help=config_help + "; read for its socket")
-    s.add_argument("--socket", help="the daemon's socket (default $PLED_SOCKET, else the config's)")
+    s = sub.add_parser("reload", parents=[daemon],
+                       help="re-read the config; stage new or changed tables as new generations, then switch")
     s.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the reload (default 3600)")
     s.set_defaults(func=_reload)
 
-    s = sub.add_parser("verify", help="compare each table in memory with its source files, byte for byte")
+    s = sub.add_parser("verify", parents=[daemon], help="compare each table in memory with its source files, byte for byte")
     s.add_argument("table", nargs="?", help="one table (default: all)")
-    s.add_argument("-c", "--config", help=config_help + "; read for its socket")
-    s.add_argument("--socket", help="the daemon's socket (default $PLED_SOCKET, else the config's)")
     s.set_defaults(func=_verify)
 
     s = sub.add_parser("demo", help="stage a small synthetic sidecar and read it back")
-    s.add_argument("--layout", default="ples_int4", choices=["ples_fp8", "ples_int4", "ples_nvfp4"])
+    s.add_argument("--layout", default="ples_int4", choices=layouts)
     s.add_argument("--shards", type=int, default=16)
     s.add_argument("--rows", type=int, default=50_000)
     s.add_argument("--keep", action="store_true", help="keep the temporary sidecar")
@@ -203,7 +201,7 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("make-sidecar", help="write a synthetic sidecar for tests and benchmarks")
     s.add_argument("dir")
-    s.add_argument("--layout", default="ples_int4", choices=["ples_fp8", "ples_int4", "ples_nvfp4"])
+    s.add_argument("--layout", default="ples_int4", choices=layouts)
     s.add_argument("--shards", type=int, default=4)
     s.add_argument("--rows", type=int, default=1024)
     s.add_argument("--width", type=int, default=160)

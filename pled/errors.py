@@ -9,6 +9,7 @@ from __future__ import annotations
 
 EX_OK = 0
 EX_FAILURE = 1
+EX_NOT_RUNNING = 3  # as systemctl status and LSB init scripts say "not running"
 EX_USAGE = 64
 EX_CONFIG = 78
 

@@ -38,17 +38,21 @@ def _mincore(fd: int, size: int) -> int:
     m = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
     try:
         vec = (ctypes.c_ubyte * -(-size // PAGE))()
-        anchor = ctypes.c_char.from_buffer(m)
-        try:
-            rc = _libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size), vec)
-        finally:
-            del anchor
-        if rc != 0:
+        if _libc.mincore(ctypes.c_void_p(mapping_address(m)), ctypes.c_size_t(size), vec) != 0:
             err = ctypes.get_errno()
             raise OSError(err, os.strerror(err))
         return sum(v & 1 for v in vec) * PAGE
     finally:
         m.close()
+
+
+def mapping_address(m: mmap.mmap) -> int:
+    """Where a writable (or copy-on-write) mapping starts; the mapping stays put while it is open."""
+    anchor = ctypes.c_char.from_buffer(m)
+    try:
+        return ctypes.addressof(anchor)
+    finally:
+        del anchor  # an export of the mapping would keep it from closing
 
 
 def cached_bytes_fd(fd: int) -> int:

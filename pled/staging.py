@@ -8,7 +8,6 @@ shrinking, growing and writing: no client can ever change the table.
 """
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import hashlib
 import logging
@@ -22,6 +21,7 @@ from typing import Callable
 from . import hugepages, region
 from .digests import OWN, new_hasher
 from .errors import PledError, SidecarError, StagingError
+from .pagecache import mapping_address
 from .region import Manifest, Region
 from .sidecar import Shard, Sidecar
 from .sizes import gib, rate
@@ -75,14 +75,6 @@ def _drop_cache(fd: int, offset: int, length: int, path: str) -> None:
         os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
     except OSError as err:  # os.posix_fadvise raises on the returned error, unlike a bare libc call
         log.warning("could not drop page cache of %s (%s); staging goes on, page cache will be reclaimed later", path, err)
-
-
-def _address(m: mmap.mmap) -> int:
-    anchor = ctypes.c_char.from_buffer(m)
-    try:
-        return ctypes.addressof(anchor)
-    finally:
-        del anchor
 
 
 class Pacer:
@@ -248,7 +240,7 @@ def _fill(fd, manifest, sidecar, fill, on_shard, pacer, table, hashing: bool = T
         if len(header) != planned_length:
             raise AssertionError("a digest changed the manifest's length")  # DIGEST_PLACEHOLDER has their length
         _write(fd, view, 0, header)
-        huge = hugepages.pmd_mapped_bytes(_address(m)) if fill.method == FAULT else 0
+        huge = hugepages.pmd_mapped_bytes(mapping_address(m)) if fill.method == FAULT else 0
         return final, huge
     finally:
         for f in digests:

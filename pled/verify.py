@@ -12,6 +12,7 @@ import time
 
 from . import client, protocol
 from .digests import hash_bytes
+from .errors import EX_NOT_RUNNING
 from .sizes import gib, rate
 
 CHUNK = 16 * 1024 * 1024
@@ -90,7 +91,7 @@ def verify(socket: str, table: str | None = None, out=sys.stdout) -> int:
         return 0 if ok else 1
     except client.DaemonUnavailable as err:
         print(f"pled verify: {err}", file=sys.stderr)
-        return 3
+        return EX_NOT_RUNNING
     except client.ClientError as err:
         print(f"pled verify: {err}", file=sys.stderr)
         return 1

@@ -3,7 +3,6 @@ copied, corrupt shards, a full or missing socket directory."""
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import time

@@ -5,13 +5,11 @@ No systemd runs here: the socket is an AF_UNIX datagram socket with SO_PASSCRED,
 (SCM_RIGHTS and SCM_CREDENTIALS), which is what systemd's manager does.
 """
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import pytest
 
 from conftest import NotifySocket, serve, stop, write_config
 from pled import client, protocol, region

@@ -8,7 +8,6 @@ skips building it).
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
