@@ -1,0 +1,121 @@
+"""A client in a memory cgroup limited far below the table reads all of it: the table is charged to pled.
+
+What a vLLM container capped with `docker run --memory=...` relies on. Shared memory is
+charged to the memory cgroup of the process that first faulted each page in: pled, which
+staged the table. A client that maps the sealed memfd, pre-faults it, reads every page and
+gathers rows adds page-table entries and its own heap to its cgroup, never the table.
+
+Real cgroup v1 memory cgroups (this project's CI host), made and removed with test_cgroup's
+fixture; skipped with the reason where none can be made (not root, cgroup v2 without a
+delegated subtree).
+"""
+import hashlib
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import torch
+
+from conftest import run_pled, write_config
+from pled import client, region
+from pled.sidecar import open_table
+from test_cgroup import _drop_page_cache, _oom_kills, _serve_in, memcg  # noqa: F401  (memcg is a fixture)
+
+MiB = 1024**2
+ROWS = list(range(0, 4_800_000, 9_973))  # rows from every shard
+
+# The client: a fresh interpreter that joins its cgroup before it imports anything, so every byte
+# it charges is charged there.
+CLIENT = textwrap.dedent("""
+    import hashlib, json, sys
+    import numpy as np
+    import torch
+    from pled import client
+    torch.set_num_threads(1)
+    rows = torch.tensor(json.loads(sys.argv[2]))
+    usage = lambda: int(open(sys.argv[3] + "/memory.usage_in_bytes").read())
+    before = usage()                                            # the interpreter, numpy and torch
+    with client.attach("ples_int4", socket=sys.argv[1]) as t:   # pre-faults: MADV_POPULATE_READ + one read a page
+        total = 0
+        view = np.frombuffer(t.buffer, dtype=np.uint8)
+        for start in range(0, len(view), 64 << 20):               # then every byte of every page
+            total += int(view[start:start + (64 << 20)].sum(dtype=np.uint64))
+        out = t.gather(rows)
+        print(json.dumps({"bytes_read": len(view), "residency": t.residency(), "before": before, "after": usage(),
+                          "gathered": hashlib.sha256(out.float().numpy().tobytes()).hexdigest()}), flush=True)
+        del view
+""")
+
+
+def _v1(cg: Path, name: str) -> int:
+    return int((cg / name).read_text())
+
+
+def _stat(cg: Path, key: str) -> int:
+    for line in (cg / "memory.stat").read_text().splitlines():
+        k, v = line.split()
+        if k == key:
+            return int(v)
+    raise KeyError(key)
+
+
+def _run_in(cg: Path, argv: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(["sh", "-c", f'echo $$ > "{cg}/cgroup.procs" && exec "$@"', "sh", *argv],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_a_client_capped_far_below_the_table_reads_it_all_charged_to_pled(memcg, sidecar, tmp_path):
+    d = sidecar("ples_int4", shards=8, rows=600_000)  # 8 x 60 MB of shards: a 458 MiB region
+    region_bytes = region.plan("ples_int4", open_table(str(d))).region_bytes
+    cfg = write_config(tmp_path / "pled.toml", {"ples_int4": d}, headroom_margin=0)
+    socket = str(tmp_path / "run" / "pled.sock")
+    pled_cg = memcg(region_bytes + 192 * MiB)  # the table, pled itself, a shard of page cache
+    # The "container", at 0.42 of the table: an interpreter with torch imported peaks at ~145 MiB by itself.
+    client_cg = memcg(192 * MiB)
+    _drop_page_cache(d)
+    pled = _serve_in(pled_cg, cfg)
+    try:
+        seen = ""
+        while "ready:" not in seen:
+            line = pled.stderr.readline()
+            assert line, f"pled exited early:\n{seen}"
+            seen += line
+        pled_shmem = _stat(pled_cg, "total_shmem")
+        assert pled_shmem >= region_bytes, (pled_shmem, region_bytes)  # the table is charged where pled staged it
+
+        before = _v1(client_cg, "memory.usage_in_bytes")
+        r = _run_in(client_cg, [sys.executable, "-c", CLIENT, socket, json.dumps(ROWS), str(client_cg)])
+        peak = _v1(client_cg, "memory.max_usage_in_bytes")
+        said = json.loads(r.stdout) if r.returncode == 0 else {"before": 0, "after": 0}
+        print(f"region {region_bytes / MiB:.0f} MiB; client cgroup: limit 192 MiB, before attaching {said['before'] / MiB:.0f} MiB, after reading and gathering {said['after'] / MiB:.0f} MiB, peak {peak / MiB:.0f} MiB, "
+              f"shmem {_stat(client_cg, 'total_shmem') / MiB:.1f} MiB, failcnt {_v1(client_cg, 'memory.failcnt')}; "
+              f"pled's cgroup: shmem {_stat(pled_cg, 'total_shmem') / MiB:.0f} MiB")
+        assert r.returncode == 0, f"the client failed ({r.returncode}; -9: OOM-killed?) {r.stderr[-2000:]}"
+        assert _oom_kills(client_cg) == 0
+        assert said["bytes_read"] == region_bytes and said["residency"] == 1.0
+        with client.attach("ples_int4", socket=socket) as t:  # the same rows, read here
+            expected = hashlib.sha256(t.gather(torch.tensor(ROWS)).float().numpy().tobytes()).hexdigest()
+        assert said["gathered"] == expected
+        # Attaching, reading every byte and gathering grew the client's cgroup by page tables and a
+        # gather's output, far less than the table it read ...
+        assert said["after"] - said["before"] < region_bytes / 10, (said, region_bytes)
+        assert peak - before < 192 * MiB
+        assert _stat(client_cg, "total_shmem") < 8 * MiB  # ... and no page of the table is charged to it
+        # ... which stayed charged to pled's cgroup all along.
+        assert _stat(pled_cg, "total_shmem") >= region_bytes
+
+        # pled's preflight, run in pled's cgroup, counts the charged table: the same table again (what a
+        # reload staging a new generation would need) no longer fits under the limit.
+        pre = _run_in(pled_cg, [sys.executable, "-m", "pled", "preflight", "-c", str(cfg), "--json"])
+        verdict = json.loads(pre.stdout)
+        assert pre.returncode == 78 and not verdict["ok"], pre.stdout
+        assert verdict["cgroup"]["usage_bytes"] - verdict["cgroup"]["reclaimable_bytes"] >= region_bytes
+        assert verdict["available_bytes"] < region_bytes
+        status = run_pled("status", "--json", "--socket", socket)
+        assert status.returncode == 0, status.stdout + status.stderr
+    finally:
+        pled.terminate()
+        pled.communicate(timeout=30)
+    assert pled.returncode == 0

