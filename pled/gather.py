@@ -1,21 +1,22 @@
 """Gather + dequant of PLE rows with torch on the CPU: the CPU dequant worker's job.
 
-Row ids are global (rows concatenated in shard order). A request is sorted once,
-which groups its ids by shard (and walks each shard's rows in address order); each
-shard's packed rows and scales are gathered with index_select into scratch, put
-back in request order (a few bytes a row), then all rows are dequantized in one
-pass over the output: a 256-entry table turns each packed byte into its two
+Row ids are global (rows concatenated in shard order). Every shard lies in the one mapping,
+so a row's bytes are found by their byte offset: the shard from a searchsorted over the shard
+boundaries, then offset = (the shard's tensor offset - its first row * row bytes) + id * row
+bytes. One index_select over a sliding-window view of the mapping (row k = bytes k..k+B-1, an
+as_strided view, no copy) then gathers every id's packed row in request order, whatever its
+shard; the same for the scales. No sort, no per-shard loop, no int64 index per element. All
+rows are then dequantized in one pass: a 256-entry table turns each packed byte into its two
 values, the block scales multiply through a broadcast view (no repeat_interleave).
 
-Every buffer lives in a ``Scratch`` kept for the next request, sized for the
-largest request seen: a steady stream of requests allocates nothing but small
-0-d tensors, so it takes no page faults. Torch on the CPU makes a temporary for
-every op whose inputs or output differ in dtype from the computation's, so each
-dtype change here is an explicit ``copy_`` into scratch.
+Every buffer lives in a ``Scratch`` kept for the next request, sized for the largest request
+seen: a steady stream of requests allocates nothing but small 0-d tensors, so it takes no page
+faults. Torch on the CPU makes a temporary for every op whose inputs or output differ in dtype
+from the computation's, so each dtype change here is an explicit ``copy_`` into scratch.
 
-The results are bit-identical to the per-shard op chain (index_select, stack the
-nibbles, repeat_interleave the scales, multiply in float32, cast to ``out``'s
-dtype; see bench/op_chain.py): the same float32 products in the same order.
+The results are bit-identical to the per-shard op chain (index_select, stack the nibbles,
+repeat_interleave the scales, multiply in float32, cast to ``out``'s dtype; see
+bench/op_chain.py): the same float32 products in the same order.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from .layouts import LAYOUTS
 
 _E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 _BLOCK = 16  # columns per scale in int4 and nvfp4
+_SCALE_DTYPE = {"ples_fp8": torch.float32, "ples_int4": torch.float16, "ples_nvfp4": torch.float8_e4m3fn}
 
 
 def _pair_table(values: list[float]) -> torch.Tensor:
@@ -39,31 +41,33 @@ def _pair_table(values: list[float]) -> torch.Tensor:
 _PAIRS = {"ples_int4": _pair_table([float(c - 8) for c in range(16)]), "ples_nvfp4": _pair_table(_E2M1)}
 
 
-class Scratch:
-    """The buffers of one request, sized for ``rows`` rows; ``view(n)`` gives their first n rows."""
+def _windows(data: torch.Tensor, width: int) -> torch.Tensor:
+    """[len - width + 1, width] view of a 1-D uint8 tensor: row k is bytes k .. k + width - 1 (no copy)."""
+    return data.as_strided((data.numel() - width + 1, width), (1, 1))
 
-    def __init__(self, layout: str, width: int, scale_dtype: torch.dtype, rows: int) -> None:
-        self.rows = rows
+
+class Scratch:
+    """The buffers of one request, sized for ``rows`` rows."""
+
+    def __init__(self, layout: str, width: int, rows: int) -> None:
+        self.rows, self.width = rows, width
         packed = width if layout == "ples_fp8" else width // 2
-        scale_shape = (rows,) if layout == "ples_fp8" else (rows, width // _BLOCK)
+        blocks = 1 if layout == "ples_fp8" else width // _BLOCK
+        scale_bytes = blocks * _SCALE_DTYPE[layout].itemsize
         self.ids = torch.empty(rows, dtype=torch.int64)  # request ids as int64, when they come as something else
-        self.sorted = torch.empty(rows, dtype=torch.int64)
-        self.order = torch.empty(rows, dtype=torch.int64)
-        self.local = torch.empty(rows, dtype=torch.int64)
-        self.packed_sorted = torch.empty((rows, packed), dtype=torch.uint8)
+        self.shard = torch.empty(rows, dtype=torch.int64)
+        self.offset = torch.empty(rows, dtype=torch.int64)
         self.packed = torch.empty((rows, packed), dtype=torch.uint8)
-        self.scale_sorted = torch.empty(scale_shape, dtype=scale_dtype)
-        self.scale = torch.empty(scale_shape, dtype=scale_dtype)
-        self.scale_f32 = torch.empty(scale_shape, dtype=torch.float32) if scale_dtype != torch.float32 else self.scale
+        self.scale_bytes = torch.empty((rows, scale_bytes), dtype=torch.uint8)
+        self.scale = torch.empty((rows, blocks), dtype=torch.float32) if layout != "ples_fp8" else None
         self.codes = torch.empty((rows, packed), dtype=torch.int32) if layout != "ples_fp8" else None
-        self.scale2_sorted = torch.empty(rows, dtype=torch.float32) if layout == "ples_nvfp4" else None
         self.scale2 = torch.empty(rows, dtype=torch.float32) if layout == "ples_nvfp4" else None
-        self.width = width
         self.work: torch.Tensor | None = None  # float32 [rows, W], made when an output is not float32 itself
 
     def work_rows(self, n: int) -> torch.Tensor:
         if self.work is None:
             self.work = torch.empty((self.rows, self.width), dtype=torch.float32)
+            self.work.zero_()
         return self.work[:n]
 
     def buffers(self) -> list[torch.Tensor]:
@@ -74,25 +78,32 @@ class Scratch:
 class Gatherer:
     """Gathers of one mapped table, with its scratch. Calls on one Gatherer run one at a time."""
 
-    def __init__(self, manifest, shard_tensors) -> None:
-        """``shard_tensors(i)`` gives shard i's tensors by name (zero-copy views of the table)."""
+    def __init__(self, manifest, data: torch.Tensor) -> None:
+        """``data``: the whole mapping as a 1-D uint8 tensor (a view, not a copy)."""
         if manifest.layout not in LAYOUTS:
             raise ValueError(f"table {manifest.table} is a plain safetensors table; gather needs a PLE layout "
                              f"({', '.join(LAYOUTS)})")
         self.table, self.layout, self.rows, self.width = manifest.table, manifest.layout, manifest.rows, manifest.row_width
         main, scale, *second = (spec.name for spec in LAYOUTS[self.layout].tensors)
-        shards = [shard_tensors(s) for s in range(len(manifest.shards))]
-        # Codes and fp8 scales are gathered as their bytes (index_select has no float8 kernel on the CPU).
-        self._main = [t[main].view(torch.uint8) for t in shards]
-        self._scale = [t[scale].view(torch.uint8) if t[scale].dtype == torch.float8_e4m3fn else t[scale] for t in shards]
-        self._scale2 = [t[second[0]].to(torch.float32) for t in shards] if second else None
-        self._scale_dtype = self._scale[0].dtype
-        starts = [0]
-        for s in manifest.shards:
-            starts.append(starts[-1] + s.rows)
-        self._starts = starts  # each shard's first row, then the table's row count
-        self._starts_t = torch.tensor(starts, dtype=torch.int64)
-        self._bounds = torch.empty(len(starts), dtype=torch.int64)
+        self._row_bytes = self.width if self.layout == "ples_fp8" else self.width // 2
+        self._scale_bytes = (1 if self.layout == "ples_fp8" else self.width // _BLOCK) * _SCALE_DTYPE[self.layout].itemsize
+        offsets = {(t.shard, t.name): t.offset for t in manifest.tensors}
+        first, main_base, scale_base, scale2 = 0, [], [], []
+        starts = []
+        for index, shard in enumerate(manifest.shards):
+            starts.append(first)
+            main_base.append(offsets[index, main] - first * self._row_bytes)
+            scale_base.append(offsets[index, scale] - first * self._scale_bytes)
+            if second:
+                at = offsets[index, second[0]]
+                scale2.append(data[at : at + 4].view(torch.float32))
+            first += shard.rows
+        self._boundaries = torch.tensor(starts[1:], dtype=torch.int64)  # first row of shards 1..S-1
+        self._main_base = torch.tensor(main_base, dtype=torch.int64)  # byte offset of row 0 if the shard began there
+        self._scale_base = torch.tensor(scale_base, dtype=torch.int64)
+        self._scale2 = torch.cat(scale2) if second else None
+        self._main = _windows(data, self._row_bytes)
+        self._scales = _windows(data, self._scale_bytes)
         self._pairs = _PAIRS.get(self.layout)
         self.scratch: Scratch | None = None
         self._lock = threading.Lock()
@@ -100,7 +111,7 @@ class Gatherer:
     def reserve(self, rows: int) -> Scratch:
         """Scratch for requests of up to ``rows`` rows, made now (its pages faulted in) if it is smaller."""
         if self.scratch is None or self.scratch.rows < rows:
-            self.scratch = Scratch(self.layout, self.width, self._scale_dtype, rows)
+            self.scratch = Scratch(self.layout, self.width, rows)
             for t in self.scratch.buffers():
                 t.zero_()  # fault the pages in now, not during a request
         return self.scratch
@@ -118,6 +129,10 @@ class Gatherer:
             raise ValueError(f"out is {out.dtype} but dtype={dtype} was asked for")
         if n == 0:
             return out
+        lo, hi = (int(v) for v in torch.aminmax(ids))
+        if lo < 0 or hi >= self.rows:
+            bad = lo if lo < 0 else hi
+            raise IndexError(f"row id {bad} is out of range for table {self.table}: ids must be in [0, {self.rows})")
         with self._lock:
             self._gather(ids, n, out)
         return out
@@ -126,41 +141,23 @@ class Gatherer:
         s = self.reserve(n)
         if ids.dtype != torch.int64 or not ids.is_contiguous():
             ids = s.ids[:n].copy_(ids)
-        ids_sorted, order = s.sorted[:n], s.order[:n]
-        torch.sort(ids, out=(ids_sorted, order))
-        lo, hi = int(ids_sorted[0]), int(ids_sorted[n - 1])
-        if lo < 0 or hi >= self.rows:
-            bad = lo if lo < 0 else hi
-            raise IndexError(f"row id {bad} is out of range for table {self.table}: ids must be in [0, {self.rows})")
-        torch.searchsorted(ids_sorted, self._starts_t, out=self._bounds)
-        bounds = self._bounds.tolist()
-        packed_sorted, scale_sorted, local = s.packed_sorted[:n], s.scale_sorted[:n], s.local[:n]
-        for shard, (a, b) in enumerate(zip(bounds, bounds[1:])):
-            if a == b:
-                continue
-            torch.sub(ids_sorted[a:b], self._starts[shard], out=local[a:b])
-            torch.index_select(self._main[shard], 0, local[a:b], out=packed_sorted[a:b])
-            torch.index_select(self._scale[shard], 0, local[a:b], out=scale_sorted[a:b])
-            if self._scale2 is not None:
-                s.scale2_sorted[a:b].fill_(self._scale2[shard])
-        # Back to request order: the packed bytes and scales, a few bytes a row, rather than the float rows.
-        packed = s.packed[:n].index_copy_(0, order, packed_sorted)
-        scale = s.scale[:n].index_copy_(0, order, scale_sorted)
+        shard, offset = s.shard[:n], s.offset[:n]
+        torch.searchsorted(self._boundaries, ids, right=True, out=shard)
+        torch.index_select(self._main_base, 0, shard, out=offset).add_(ids, alpha=self._row_bytes)
+        packed = torch.index_select(self._main, 0, offset, out=s.packed[:n])
+        torch.index_select(self._scale_base, 0, shard, out=offset).add_(ids, alpha=self._scale_bytes)
+        scale_bytes = torch.index_select(self._scales, 0, offset, out=s.scale_bytes[:n])
         work = out if out.dtype == torch.float32 and out.is_contiguous() else s.work_rows(n)
         if self.layout == "ples_fp8":
             work.copy_(packed.view(torch.float8_e4m3fn))
-            work.mul_(scale.unsqueeze(1))
+            work.mul_(scale_bytes.view(torch.float32))  # [n, 1]: one scale a row
         else:
-            if self.layout == "ples_nvfp4":
-                scale = s.scale_f32[:n].copy_(scale.view(torch.float8_e4m3fn))
-            else:
-                scale = s.scale_f32[:n].copy_(scale)
+            scale = s.scale[:n].copy_(scale_bytes.view(_SCALE_DTYPE[self.layout]))
             codes = s.codes[:n].copy_(packed)
             torch.index_select(self._pairs, 0, codes.view(-1), out=work.view(-1, 2))
             blocks = work.view(n, self.width // _BLOCK, _BLOCK)
             blocks.mul_(scale.unsqueeze(2))
             if self._scale2 is not None:
-                scale2 = s.scale2[:n].index_copy_(0, order, s.scale2_sorted[:n])
-                blocks.mul_(scale2.view(n, 1, 1))
+                blocks.mul_(torch.index_select(self._scale2, 0, shard, out=s.scale2[:n]).view(n, 1, 1))
         if work is not out:
             out.copy_(work)

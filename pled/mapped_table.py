@@ -171,7 +171,12 @@ class Table:
         if self._gatherer is None:
             from .gather import Gatherer
 
-            self._gatherer = Gatherer(self.manifest, self.shard_tensors)
+            import torch
+
+            with warnings.catch_warnings():  # the buffer is read-only on purpose: the mapping is PROT_READ
+                warnings.simplefilter("ignore", UserWarning)
+                data = torch.frombuffer(self.buffer, dtype=torch.uint8)
+            self._gatherer = Gatherer(self.manifest, data)
         return self._gatherer
 
     # -- life --------------------------------------------------------------------------------
