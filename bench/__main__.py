@@ -24,6 +24,7 @@ import threading
 import time
 from pathlib import Path
 
+from bench import table_gather
 from pled import staging
 from pled.generator import make_sidecar
 from pled.hugepages import THP
@@ -411,6 +412,7 @@ def write_report(res: dict, command: str, path: Path) -> None:
     pled_first = ga["(c) pled, fresh process, pre-faulted (4 KiB pages)"]["first"]["median"]
     lines += ["", f"pled's first request against the cold mmap's first request: {pled_first / cold_first:.1f}x; "
                   f"against the warm mmap asymptote: {pled_first / warm:.2f}.",
+              *table_gather.report_lines(res),
               "", "## 4. Restart cost", "",
               "From `pled serve` starting to `ready:` (Python start-up included), page cache of the sidecar dropped "
               "before each start. Bytes read is the process's rchar, every byte it read through a system call: its "
@@ -440,7 +442,7 @@ def verdicts(res: dict) -> list[str]:
     runs = ga["(c) pled, fresh process, pre-faulted (4 KiB pages)"]["runs_first_over_asymptote"]
     huge = ga.get("(c) pled, fresh process, pre-faulted (huge pages)")
     huge_text = f"; with huge pages {huge['first_over_asymptote']['median']:.2f}" if huge else ""
-    return [
+    return table_gather.verdicts(res) + [
         line(ratio_dd >= 0.9, f"staging cold at {ratio_dd:.2f} of `dd iflag=direct` (target 0.9)"),
         line(pled_case >= 0.95, f"pled's first gather request at {pled_case:.2f} of its asymptote (target within 5%){huge_text}; "
                                 f"per run {', '.join(f'{r:.2f}' for r in runs)}; against 0.10 for a fresh mapping without "
@@ -506,6 +508,8 @@ def main() -> int:
         # 4 KiB pages first, huge pages after: staging a huge-page table makes the kernel compact memory,
         # migrating other tables' pages under their mappings, which would disturb the 4 KiB runs.
         res["gathers"] = bench_gathers(gather_cases(d, daemon.socket, "ples_int4", None), a.repeats, a.requests, a.ids)
+        res["table_gather"] = {"4 KiB pages": table_gather.run(daemon.socket, "ples_int4", max(5, a.repeats), a.requests,
+                                                               a.ids, settle, log)}
         with contextlib.ExitStack() as stack:
             if not a.no_huge_pages and SHMEM.exists():
                 try:
@@ -520,6 +524,8 @@ def main() -> int:
                     res["huge_share"] = [line for line in huge.log_path.read_text().splitlines() if "staged:" in line][0]
                     res["gathers"] |= bench_gathers(gather_cases(d, huge.socket, "ples_int4", "huge pages"), a.repeats,
                                                     a.requests, a.ids)
+                    res["table_gather"]["huge pages"] = table_gather.run(huge.socket, "ples_int4", max(5, a.repeats),
+                                                                         a.requests, a.ids, settle, log)
         for dm in daemons:
             dm.stop()
         res["restart"] = bench_restart(work, d, a.repeats)

@@ -1,0 +1,157 @@
+"""The wire connection to pled: connect, one call and its reply (with any fds), the errors it raises.
+
+A connection held open is an attachment: pled counts the client until it closes.
+See docs/protocol.md. This module never imports the daemon's code, nor torch.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket as socket_mod
+
+from . import protocol
+from .errors import PledError
+
+DEFAULT_SOCKET = "/run/pled/pled.sock"
+ENV_SOCKET = "PLED_SOCKET"
+_HINT = "check `systemctl status pled` and `journalctl -u pled`"
+
+
+class ClientError(PledError):
+    """Root of what attach() and call() raise."""
+
+
+class DaemonUnavailable(ClientError):
+    """Nothing is serving at the socket."""
+
+
+class PermissionDenied(ClientError):
+    """pled refused this process's uid."""
+
+
+class NoSuchTable(ClientError):
+    """pled does not serve a table of that name."""
+
+
+class NotReady(ClientError):
+    """The table is still being staged; ``progress`` says how far."""
+
+    def __init__(self, message: str, progress: dict) -> None:
+        super().__init__(message)
+        self.progress = progress
+
+
+class ReloadFailed(ClientError):
+    """pled could not reload; it serves what it served before."""
+
+
+class ProtocolError(ClientError):
+    """The daemon answered something this client does not understand."""
+
+
+def socket_path(path: str | None = None) -> str:
+    return path or os.environ.get(ENV_SOCKET) or DEFAULT_SOCKET
+
+
+class Connection:
+    """One blocking connection to the daemon. A Table keeps its own open while attached."""
+
+    _sock = None
+
+    def __init__(self, path: str | None = None, timeout: float = 10.0) -> None:
+        self.path = socket_path(path)
+        sock = socket_mod.socket(socket_mod.AF_UNIX, socket_mod.SOCK_STREAM | socket_mod.SOCK_CLOEXEC)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(self.path)
+        except (FileNotFoundError, ConnectionRefusedError) as err:
+            sock.close()
+            raise DaemonUnavailable(f"pled is not running at {self.path} ({err.strerror}); start it with "
+                                    f"`systemctl start pled`, or {_HINT}") from err
+        except PermissionError as err:
+            sock.close()
+            raise PermissionDenied(f"cannot connect to {self.path}: the socket's permissions refuse uid {os.geteuid()}; "
+                                   f"run as a member of the socket's group, or ask the operator") from err
+        except OSError as err:
+            sock.close()
+            raise DaemonUnavailable(f"cannot connect to pled at {self.path}: {err}; {_HINT}") from err
+        self._sock = sock
+        self._buf = bytearray()
+
+    def call(self, method: str, **parameters) -> tuple[dict, list[int]]:
+        """Send one call; return the reply's parameters and the fds that came with it (the caller owns them)."""
+        try:
+            self._sock.sendall(protocol.call(method, **parameters))
+            raw, fds = self._receive()
+        except (TimeoutError, socket_mod.timeout) as err:
+            raise DaemonUnavailable(f"pled at {self.path} did not answer {method} in time; {_HINT}") from err
+        except (ConnectionResetError, BrokenPipeError) as err:
+            raise DaemonUnavailable(f"pled at {self.path} closed the connection during {method}; {_HINT}") from err
+        try:
+            message = json.loads(raw)
+            if not isinstance(message, dict):
+                raise ValueError("reply is not an object")
+            if "error" in message:
+                close_all(fds)
+                raise _error(message["error"], message.get("parameters") or {}, self.path)
+            return message.get("parameters") or {}, fds
+        except (ValueError, UnicodeDecodeError) as err:
+            close_all(fds)
+            raise ProtocolError(f"pled at {self.path} sent a reply that is not valid JSON ({err})") from err
+
+    def _receive(self) -> tuple[bytes, list[int]]:
+        fds: list[int] = []
+        while True:
+            end = self._buf.find(b"\0")
+            if end >= 0:
+                raw = bytes(self._buf[:end])
+                del self._buf[: end + 1]
+                return raw, fds
+            if len(self._buf) > protocol.MAX_REPLY:
+                close_all(fds)
+                raise ProtocolError(f"reply from {self.path} exceeds {protocol.MAX_REPLY} bytes")
+            data, new_fds, flags, _ = socket_mod.recv_fds(self._sock, 1 << 20, 4)
+            fds += new_fds
+            if flags & socket_mod.MSG_CTRUNC:  # the kernel dropped fds it could not deliver
+                close_all(fds)
+                raise ProtocolError(f"file descriptors from {self.path} were truncated (MSG_CTRUNC)")
+            if not data:
+                close_all(fds)
+                raise DaemonUnavailable(f"pled at {self.path} closed the connection; {_HINT}")
+            self._buf += data
+
+    def close(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+
+
+def close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def _error(name: str, params: dict, path: str) -> ClientError:
+    if name == protocol.PERMISSION_DENIED:
+        return PermissionDenied(f"pled at {path} refused uid {params.get('uid', os.geteuid())}: ask the operator to add "
+                                f"it or one of its groups to allow_uids / allow_groups in /etc/pled/pled.toml")
+    if name == protocol.NO_SUCH_TABLE:
+        return NoSuchTable(f"pled at {path} serves no table {params.get('table')!r} (it serves: "
+                           f"{', '.join(params.get('tables') or []) or 'none'}); check the name and `pled status`")
+    if name == protocol.NOT_READY:
+        return NotReady(f"table {params.get('table')!r} is still being staged ({params.get('shards_done')}/"
+                        f"{params.get('shards')} shards); attach with wait=True or try again", params)
+    if name == protocol.RELOAD_FAILED:
+        return ReloadFailed(f"reload failed, pled serves what it served before: {params.get('reason')}")
+    return ProtocolError(f"pled at {path} answered {name}: {params}")
+
+
+def call(method: str, socket: str | None = None, timeout: float = 10.0, **parameters) -> dict:
+    """One call on a fresh connection (Status, Ping)."""
+    conn = Connection(socket, timeout)
+    try:
+        params, fds = conn.call(method, **parameters)
+        close_all(fds)
+        return params
+    finally:
+        conn.close()

@@ -1,0 +1,238 @@
+"""A table mapped into this process: the daemon's sealed memfd, read-only, its tensors as zero-copy views.
+
+The mapping is PROT_READ over a write-sealed memfd: a write through a tensor faults, it never
+reaches the table, and the mapping stays valid if the daemon goes away. How the fd arrived (the
+wire connection, pled.connection) is not this module's business: ``attach()`` in pled.client
+hands over the fd and the connection to close with the table.
+
+This module never imports the daemon's code; torch is imported only when tensors or gathers are
+asked for (it comes from the vLLM environment).
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from . import hugepages, region
+
+if TYPE_CHECKING:
+    import torch
+
+    from .gather import Gatherer, Scratch
+
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+
+PAGE = mmap.PAGESIZE
+
+_TORCH_DTYPES = {
+    "U8": "uint8", "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64", "U16": "uint16", "U32": "uint32",
+    "U64": "uint64", "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64", "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+}
+
+
+class Table:
+    """One mapped table. ``attachment`` (anything with close(), the daemon connection) is closed with it."""
+
+    _fd = -1
+    _map = None
+    _attachment = None
+    _gatherer = None
+    _views = None
+
+    def __init__(self, fd: int, generation: int, populate: bool, attachment=None) -> None:
+        self._attachment = attachment
+        self._fd = fd  # owned from here on: a failure below closes it with the rest
+        self.generation = generation
+        self.populate_seconds = 0.0
+        try:
+            self.manifest = region.read_manifest(fd)
+            self._map = region.map_readonly(fd)
+            self._views: list = [None] * len(self.manifest.tensors)  # the one cache of tensor views, by entry
+            self._by_shard: list[list[int]] = [[] for _ in self.manifest.shards]
+            for index, entry in enumerate(self.manifest.tensors):
+                self._by_shard[entry.shard].append(index)
+            self._names: TensorViews | None = None
+            if populate:
+                self.populate()
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def name(self) -> str:
+        return self.manifest.table
+
+    @property
+    def shards(self) -> tuple[region.ShardEntry, ...]:
+        return self.manifest.shards
+
+    @property
+    def fd(self) -> int:
+        return self._fd
+
+    @property
+    def buffer(self) -> mmap.mmap:
+        """The read-only mapping itself (for numpy.frombuffer or memoryview); tensors are views of it."""
+        if self._map is None:
+            raise ValueError(f"table {self.manifest.table} is closed")
+        return self._map
+
+    @property
+    def closed(self) -> bool:
+        return self._map is None
+
+    @property
+    def address(self) -> int:
+        """Where the mapping starts in this process: tensors point at address + their offset."""
+        # a read-only buffer has no ctypes address; numpy reads it without a copy
+        return int(np.frombuffer(self.buffer, dtype=np.uint8, count=1).ctypes.data)
+
+    def populate(self) -> float:
+        """Make the first gather run at full speed: fault every page in (MADV_POPULATE_READ, one call into
+        the kernel), then read one byte of every page, so the CPU has walked every page table once too
+        (docs/BENCHMARKS.md shows what each step buys). One read per 2 MiB where the table is on huge
+        pages. Returns the seconds it took (also in ``populate_seconds``)."""
+        start = time.perf_counter()
+        try:
+            self._map.madvise(MADV_POPULATE_READ)
+        except OSError:
+            pass  # kernels before 5.14: the reads below fault the pages in instead
+        huge = hugepages.pmd_mapped_bytes(self.address) >= 0.9 * self.manifest.region_bytes
+        stride = hugepages.PMD_SIZE if huge else PAGE
+        int(np.frombuffer(self._map, dtype=np.uint8)[::stride].sum())
+        self.populate_seconds = time.perf_counter() - start
+        return self.populate_seconds
+
+    def residency(self) -> float:
+        """The share of the region in memory now, measured by the kernel (cachestat or mincore)."""
+        from .pagecache import cached_bytes_fd
+
+        return min(1.0, cached_bytes_fd(self._fd) / self.manifest.region_bytes)
+
+    # -- torch views -------------------------------------------------------------------------
+
+    def view(self, index: int) -> "torch.Tensor":
+        """The zero-copy view of ``manifest.tensors[index]``, made once and kept."""
+        made = self._views[index]
+        if made is None:
+            made = self._views[index] = _make_view(self.buffer, self.manifest.tensors[index])
+        return made
+
+    @property
+    def tensors(self) -> "TensorViews":
+        """Tensor name -> zero-copy view, made on first access. Names are unique across the table as they
+        stand, else qualified by their shard: ``shard_3/weight_i4``."""
+        if self._names is None:
+            entries = self.manifest.tensors
+            counts: dict[str, int] = {}
+            for t in entries:
+                counts[t.name] = counts.get(t.name, 0) + 1
+            keyed = {}
+            for index, t in enumerate(entries):
+                stem = os.path.splitext(os.path.basename(self.shards[t.shard].path))[0]
+                keyed[t.name if counts[t.name] == 1 else f"{stem}/{t.name}"] = index
+            self._names = TensorViews(self.view, keyed)
+        return self._names
+
+    def shard_tensors(self, index: int) -> dict[str, "torch.Tensor"]:
+        """The tensors of one shard (one source file), by their names in that file."""
+        return {self.manifest.tensors[i].name: self.view(i) for i in self._by_shard[index]}
+
+    # -- gather + dequant (the CPU dequant worker's job) -------------------------------------
+
+    def gather(self, row_ids, out: "torch.Tensor | None" = None, dtype=None) -> "torch.Tensor":
+        """Rows ``row_ids`` (global, across shards in order) dequantized into ``out`` [n, row_width].
+
+        Scratch space for the largest request so far is kept with the table, so repeated requests
+        allocate nothing but the output when ``out`` is not given. Gathers on one Table run one at a time."""
+        return self._gather_for().gather(row_ids, out=out, dtype=dtype)
+
+    def warm(self, rows: int) -> None:
+        """Pay a gather's first-call costs now: scratch for ``rows`` rows (pages faulted in) and one
+        gather of that many rows spread over the table, which also loads torch's kernels."""
+        import torch
+
+        g = self._gather_for()
+        g.reserve(rows)
+        g.gather(torch.linspace(0, self.manifest.rows - 1, rows).to(torch.int64), dtype=torch.bfloat16)
+
+    @property
+    def scratch(self) -> "Scratch | None":
+        """The gather scratch kept with this table (None before the first gather or warm)."""
+        return self._gatherer.scratch if self._gatherer is not None else None
+
+    def _gather_for(self) -> "Gatherer":
+        if self._gatherer is None:
+            from .gather import Gatherer
+
+            import torch
+
+            with warnings.catch_warnings():  # the buffer is read-only on purpose: the mapping is PROT_READ
+                warnings.simplefilter("ignore", UserWarning)
+                data = torch.frombuffer(self.buffer, dtype=torch.uint8)
+            self._gatherer = Gatherer(self.manifest, data)
+        return self._gatherer
+
+    # -- life --------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Unmap and drop the fd and the attachment. Views taken from ``tensors`` must be gone first."""
+        self._gatherer = None
+        self._names = None
+        self._views = None
+        m, self._map = self._map, None
+        if m is not None:
+            try:
+                m.close()
+            except BufferError:  # tensors still point into it: leave the mapping to die with them
+                pass
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
+        attachment, self._attachment = self._attachment, None
+        if attachment is not None:
+            attachment.close()
+
+    def __enter__(self) -> "Table":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def _make_view(buffer: mmap.mmap, entry: region.TensorEntry) -> "torch.Tensor":
+    import torch
+
+    dtype = getattr(torch, _TORCH_DTYPES[entry.dtype])
+    count = entry.nbytes // dtype.itemsize
+    if not count:
+        return torch.empty(entry.shape, dtype=dtype)
+    with warnings.catch_warnings():  # the buffer is read-only on purpose: the mapping is PROT_READ
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buffer, dtype=dtype, count=count, offset=entry.offset).reshape(entry.shape)
+
+
+class TensorViews(Mapping):
+    """Read-only mapping of tensor names to a Table's views (its one cache, ``Table.view``)."""
+
+    def __init__(self, view: Callable[[int], "torch.Tensor"], entries: dict[str, int]) -> None:
+        self._view = view
+        self._entries = entries
+
+    def __getitem__(self, name: str) -> "torch.Tensor":
+        return self._view(self._entries[name])
+
+    def __iter__(self):
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)

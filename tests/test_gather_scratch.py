@@ -1,0 +1,89 @@
+"""Table.gather keeps its scratch: a request of a size seen before allocates nothing and takes no page
+fault; its results equal, bit for bit, a reference read from the shard files with struct and the per-shard
+op chain (bench/op_chain.py) that gather was before it kept scratch, for all three layouts."""
+import importlib.util
+import resource
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import LAYOUTS
+from pled import client
+from test_gather import reference_row
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("op_chain", ROOT / "bench" / "op_chain.py")
+op_chain = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(op_chain)
+
+SHARDS, ROWS = 5, 2000
+
+
+def minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def chain(t, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    starts = torch.tensor([i * ROWS for i in range(SHARDS)])
+    out = torch.empty((len(ids), 160), dtype=dtype)
+    return op_chain.gather(t.manifest.layout, [t.shard_tensors(s) for s in range(SHARDS)], starts, ids, out)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gather_equals_the_references_bit_for_bit(sidecar, daemon, layout):
+    d = sidecar(layout, shards=SHARDS, rows=ROWS, seed=5)
+    pled = daemon({layout: d})
+    with client.attach(layout, socket=pled.socket) as t:
+        ids = torch.randint(0, SHARDS * ROWS, (3000,), generator=torch.Generator().manual_seed(7))
+        ids[:6] = torch.tensor([0, ROWS - 1, ROWS, SHARDS * ROWS - 1, 17, 17])  # shard edges, a repeated id
+        got = t.gather(ids, dtype=torch.float32)
+        assert torch.equal(got.view(torch.int32), chain(t, ids, torch.float32).view(torch.int32))  # -0.0 included
+        for dtype in (torch.bfloat16, torch.float16):
+            assert torch.equal(t.gather(ids, dtype=dtype).view(torch.int16), chain(t, ids, dtype).view(torch.int16))
+        for i in range(0, 3000, 97):
+            shard, local = divmod(int(ids[i]), ROWS)
+            want = torch.tensor(reference_row(str(d / f"shard_{shard}.safetensors"), layout, local), dtype=torch.float32)
+            assert torch.equal(got[i], want), (layout, int(ids[i]))
+        # ids as int32, as a list, in a strided tensor: the same rows
+        assert torch.equal(t.gather(ids.to(torch.int32), dtype=torch.float32), got)
+        assert torch.equal(t.gather(ids[::2].tolist(), dtype=torch.float32), got[::2])
+        assert torch.equal(t.gather(ids.view(2, -1).t().reshape(-1), dtype=torch.float32),
+                           got.view(2, -1, 160).transpose(0, 1).reshape(-1, 160))
+        # a caller's non-contiguous float32 output is filled in place
+        wide = torch.zeros((3000, 320), dtype=torch.float32)
+        t.gather(ids, out=wide[:, 160:])
+        assert torch.equal(wide[:, 160:], got) and not wide[:, :160].any()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_second_gather_of_the_same_size_allocates_nothing(sidecar, daemon, layout):
+    d = sidecar(layout, shards=SHARDS, rows=ROWS, seed=6)
+    pled = daemon({layout: d})
+    with client.attach(layout, socket=pled.socket) as t:
+        g = torch.Generator().manual_seed(1)
+        n = 4096  # every per-request buffer is over glibc's 128 KiB mmap threshold: a fresh one would fault
+        for dtype in (torch.float32, torch.bfloat16):
+            out = torch.empty((n, 160), dtype=dtype)
+            t.gather(torch.randint(0, SHARDS * ROWS, (n,), generator=g), out=out)  # the first pays
+            ptrs = [b.data_ptr() for b in t.scratch.buffers()]
+            for _ in range(3):
+                ids = torch.randint(0, SHARDS * ROWS, (n,), generator=g)
+                before = minor_faults()
+                t.gather(ids, out=out)
+                assert minor_faults() - before == 0, f"{layout} {dtype}: a repeated gather took page faults"
+            t.gather(ids[: n // 2], out=out[: n // 2])  # smaller requests use the same scratch
+            assert [b.data_ptr() for b in t.scratch.buffers()] == ptrs
+
+
+def test_warm_rows_pays_the_first_request_at_attach(sidecar, daemon):
+    d = sidecar("ples_int4", shards=SHARDS, rows=ROWS)
+    pled = daemon({"t": d})
+    out = torch.empty((4096, 160), dtype=torch.bfloat16)
+    out.zero_()
+    with client.attach("t", socket=pled.socket, warm_rows=4096) as t:
+        assert t.scratch.rows == 4096
+        ids = torch.randint(0, SHARDS * ROWS, (4096,))
+        before = minor_faults()
+        t.gather(ids, out=out)
+        assert minor_faults() - before == 0
