@@ -29,7 +29,7 @@ from .errors import PledError
 if TYPE_CHECKING:
     import torch
 
-DEFAULT_SOCKET = "/run/pled/pled.sock"
+DEFAULT_SOCKET = protocol.DEFAULT_SOCKET
 ENV_SOCKET = "PLED_SOCKET"
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+
 PAGE = mmap.PAGESIZE

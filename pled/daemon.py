@@ -333,7 +333,7 @@ class Daemon:
                 continue
             t.measure()
             share = t.resident_share
-            if share < 0.9995:
+            if share < protocol.FULLY_RESIDENT:
                 log.warning("table %s is only %.1f%% resident (%s of %s); its pages were swapped out: set "
                             "MemorySwapMax=0 for pled.service or turn swap off", t.name, share * 100,
                             gib(share * t.manifest.region_bytes), gib(t.manifest.region_bytes))

@@ -22,7 +22,7 @@ from typing import Callable
 
 from . import protocol
 from .access import Peer, Policy, peer_of
-from .errors import PledError
+from .errors import EX_CONFIG, PledError
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ PENDING = object()  # a handler's answer when the reply comes later (Attach with
 
 
 class SocketInUse(PledError):
-    exit_status = 78
+    exit_status = EX_CONFIG
 
 
 @dataclass

@@ -20,7 +20,7 @@ from typing import Callable
 
 from . import hugepages, region
 from .digests import OWN, new_hasher
-from .errors import PledError, SidecarError, StagingError
+from .errors import EX_OK, PledError, SidecarError, StagingError
 from .pagecache import mapping_address
 from .region import Manifest, Region
 from .sidecar import Shard, Sidecar
@@ -36,7 +36,7 @@ FAULT = "fault"  # read() into a MADV_HUGEPAGE mapping: page faults are what all
 class StagingCancelled(PledError):
     """Staging stopped on request (SIGTERM); nothing is wrong."""
 
-    exit_status = 0
+    exit_status = EX_OK
 
 
 @dataclass(frozen=True)
