@@ -14,6 +14,7 @@ tensors or gathers are asked for (it comes from the vLLM environment).
 """
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
@@ -239,8 +240,10 @@ class Table:
         start = time.perf_counter()
         try:
             self._map.madvise(MADV_POPULATE_READ)
-        except OSError:
-            pass  # kernels before 5.14: the reads below fault the pages in instead
+        except OSError as err:
+            if err.errno != errno.EINVAL:  # EINVAL: a kernel before 5.14; the reads below fault the pages in
+                raise ClientError(f"pre-faulting table {self.manifest.table} failed: {err.strerror} "
+                                  f"(MADV_POPULATE_READ, errno {err.errno}); attach with populate=False to skip it") from err
         huge = hugepages.pmd_mapped_bytes(self.address) >= 0.9 * self.manifest.region_bytes
         stride = hugepages.PMD_SIZE if huge else PAGE
         try:
@@ -316,8 +319,9 @@ class Table:
 
     # -- life --------------------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Unmap and drop the fd and the connection. Views taken from ``tensors`` must be gone first."""
+    def close(self, _close=os.close) -> None:
+        """Unmap and drop the fd and the connection. Views taken from ``tensors`` must be gone first.
+        (os.close is bound, not looked up: __del__ may run at interpreter exit, after this module's globals.)"""
         self._tensors = None
         self._by_shard = None
         m, self._map = self._map, None
@@ -328,7 +332,7 @@ class Table:
                 pass
         fd, self._fd = self._fd, -1
         if fd >= 0:
-            os.close(fd)
+            _close(fd)
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.close()

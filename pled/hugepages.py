@@ -17,6 +17,10 @@ ENABLE_HINT = (
 )
 
 
+class PolicyUnreadable(OSError):
+    """A THP sysfs file exists but cannot be read (EACCES in a sandbox, say): not the same as no THP."""
+
+
 @dataclass(frozen=True)
 class ShmemPolicy:
     setting: str  # the top-level shmem_enabled choice
@@ -41,8 +45,10 @@ def _selected(path: str) -> str | None:
     try:
         with open(path, encoding="ascii") as f:
             text = f.read()
-    except OSError:
+    except FileNotFoundError:
         return None
+    except OSError as err:
+        raise PolicyUnreadable(err.errno, err.strerror, path) from err
     for word in text.split():
         if word.startswith("[") and word.endswith("]"):
             return word[1:-1]
@@ -50,6 +56,8 @@ def _selected(path: str) -> str | None:
 
 
 def read_policy(root: str = "/") -> ShmemPolicy | None:
+    """What the kernel allows shared memory; None on a kernel without THP. PolicyUnreadable where a file
+    exists but cannot be read."""
     base = os.path.join(root, THP.lstrip("/"))
     setting = _selected(os.path.join(base, "shmem_enabled"))
     if setting is None:

@@ -197,10 +197,12 @@ class Region:
         fd, self._fd = self._fd, -1
         return fd
 
-    def close(self) -> None:
+    def close(self, _close=os.close) -> None:
+        # os.close is bound here, not looked up: at interpreter exit __del__ may run after this module's
+        # globals are gone.
         fd = self.release()
         if fd >= 0:
-            os.close(fd)
+            _close(fd)
 
     def __enter__(self) -> "Region":
         return self

@@ -62,6 +62,16 @@ def plan_fill(huge_pages: str, policy: hugepages.ShmemPolicy | None) -> FillPlan
     return FillPlan(FAULT, policy.effective, "")
 
 
+def _plan_fill_from(huge_pages: str, sys_root: str) -> FillPlan:
+    if huge_pages == "off":
+        return plan_fill(huge_pages, None)
+    try:
+        return plan_fill(huge_pages, hugepages.read_policy(sys_root))
+    except hugepages.PolicyUnreadable as err:
+        return FillPlan(SENDFILE, "unreadable", f"cannot read {err.filename} ({err.strerror}): the table uses 4 KiB "
+                                                 "pages; let pled's user read it, or set huge_pages = \"off\"")
+
+
 @dataclass(frozen=True)
 class StageStats:
     seconds: float
@@ -163,7 +173,7 @@ def stage(
     """Stage ``sidecar`` into a new sealed memfd; the caller owns the returned Region.
     ``digests=False`` skips hashing (the benchmark's baseline for what hashing costs)."""
     planned = region.plan(table, sidecar)
-    fill = plan_fill(huge_pages, hugepages.read_policy(sys_root))
+    fill = _plan_fill_from(huge_pages, sys_root)
     fd = os.memfd_create(f"pled:{table}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, planned.region_bytes)
