@@ -7,7 +7,13 @@ import logging
 import os
 import sys
 
-from . import __version__, config as config_mod, logs
+from . import __version__, logs
+
+try:
+    from . import config as config_mod
+except ImportError as err:  # pled[client] alone: the library and the vLLM plugin, not the command
+    raise SystemExit(f"pled: the pled command needs the daemon's dependencies ({err.name} is missing): "
+                     "pip install 'pled[daemon]'") from None
 from .layouts import LAYOUTS
 from .errors import EX_CONFIG, EX_INTERRUPTED, EX_NOT_RUNNING, EX_USAGE, PledError
 
