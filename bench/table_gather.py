@@ -3,7 +3,8 @@
     python -m bench.table_gather worker CASE TABLE --socket S --requests 45 --ids 8192   # one run, JSON out
     python -m bench.table_gather --size-gib 0.5 --repeats 5    # alone: its own sidecar and daemon(s)
 
-``python -m bench`` calls ``run`` for 4 KiB pages and for huge pages and renders ``report_lines``.
+``python -m bench`` calls ``run`` for 4 KiB pages and for huge pages; the report's section and verdicts are
+registered with bench.report.
 Cases, each in a fresh process that attaches with pre-faulting, then times each request alone and
 counts the process's minor page faults during it; the output (bfloat16) is allocated once, as the
 offload worker's pinned buffers are:
@@ -24,6 +25,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from bench import report
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = ("numpy worker", "op chain", "Table.gather", "Table.gather, no warm-up")
@@ -144,6 +147,7 @@ def _fmt(s: dict, digits: int = 2) -> str:
     return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
 
 
+@report.section
 def report_lines(res: dict) -> list[str]:
     """The report's section, every figure from ``res['table_gather']`` (absent: nothing)."""
     tg = res.get("table_gather")
@@ -151,7 +155,7 @@ def report_lines(res: dict) -> list[str]:
         return []
     first = next(iter(tg.values()))
     n = first["cases"]["Table.gather"]["first"]["n"]
-    lines = ["", "## 3b. pled's own `Table.gather`", "",
+    lines = ["## 5. pled's own `Table.gather`", "",
              f"{res['gather_ids']} random row ids per request, {res['gather_requests']} requests per run, into a "
              f"bfloat16 output allocated once; each case {n} times in fresh processes, interleaved (A, B, C, D, A, ...), "
              "all pre-faulted. numpy worker: section 3's gather; op chain: the published offload worker's torch ops "
@@ -175,16 +179,17 @@ def report_lines(res: dict) -> list[str]:
     return lines
 
 
-def verdicts(res: dict) -> list[str]:
+@report.verdict
+def verdicts(res: dict) -> list[tuple[bool, str]]:
     tg = res.get("table_gather") or {}
     out = []
     for pages, block in tg.items():
         c = block["cases"]["Table.gather"]
         ratio, faults = c["first_over_asymptote"]["median"], c["faults_after_first"]["max"]
-        out.append(f"- {'met' if ratio >= 0.9 else 'NOT met'}: Table.gather's first request at {ratio:.2f} of its "
-                   f"asymptote with {pages} (target 0.9, median of {c['first_over_asymptote']['n']} fresh processes)")
-        out.append(f"- {'met' if faults == 0 else 'NOT met'}: Table.gather's page faults per request after the first "
-                   f"with {pages}: at most {faults:.0f} (target 0)")
+        out.append((ratio >= 0.9, f"Table.gather's first request at {ratio:.2f} of its asymptote with {pages} "
+                                  f"(target 0.9, median of {c['first_over_asymptote']['n']} fresh processes)"))
+        out.append((faults == 0, f"Table.gather's page faults per request after the first with {pages}: at most "
+                                 f"{faults:.0f} (target 0)"))
     return out
 
 
@@ -247,7 +252,7 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=2) + "\n")
-    print("\n".join(report_lines(res) + [""] + verdicts(res)))
+    print("\n".join(report_lines(res) + [""] + [f"- {'met' if ok else 'NOT met'}: {t}" for ok, t in verdicts(res)]))
     return 0
 
 

@@ -7,9 +7,15 @@ import logging
 import os
 import sys
 
-from . import __version__, config as config_mod, logs
+from . import __version__, logs
+
+try:
+    from . import config as config_mod
+except ImportError as err:  # pled[client] alone: the library and the vLLM plugin, not the command
+    raise SystemExit(f"pled: the pled command needs the daemon's dependencies ({err.name} is missing): "
+                     "pip install 'pled[daemon]'") from None
 from .layouts import LAYOUTS
-from .errors import EX_CONFIG, EX_NOT_RUNNING, PledError
+from .errors import EX_CONFIG, EX_INTERRUPTED, EX_NOT_RUNNING, EX_USAGE, PledError
 
 log = logging.getLogger("pled")
 
@@ -74,7 +80,7 @@ def _status(args) -> int:
     st, failed = _call(args, protocol.STATUS, "status")
     if st is None:
         return failed
-    healthy = all(t["state"] == "ready" and t.get("resident_share", 0) >= 0.999 for t in st["tables"])
+    healthy = all(t["state"] == "ready" and t.get("resident_share", 0) >= protocol.FULLY_RESIDENT for t in st["tables"])
     if args.json:
         print(json.dumps({**st, "healthy": healthy}, indent=2))
         return 0 if healthy else 1
@@ -101,14 +107,14 @@ def _status(args) -> int:
 
 
 def _socket_for(args) -> str:
-    from . import client
+    from . import client, protocol
 
     path = args.socket or os.environ.get(client.ENV_SOCKET)
     if path is None:
         try:
             path = config_mod.load(args.config).socket
         except PledError:
-            path = client.DEFAULT_SOCKET
+            path = protocol.DEFAULT_SOCKET
     return path
 
 
@@ -147,7 +153,7 @@ def _make_sidecar(args) -> int:
         paths = make_sidecar(args.dir, args.layout, shards=args.shards, rows=args.rows, width=args.width, seed=args.seed)
     except ValueError as err:
         print(f"pled make-sidecar: {err}", file=sys.stderr)
-        return 64
+        return EX_USAGE
     print(f"wrote {len(paths)} shards and META.json to {args.dir}")
     return 0
 
@@ -219,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s", err)
         return err.exit_status
     except KeyboardInterrupt:
-        return 130
+        return EX_INTERRUPTED
 
 
 if __name__ == "__main__":

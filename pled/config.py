@@ -27,10 +27,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from .errors import ConfigError
+from .protocol import DEFAULT_SOCKET
 from .sizes import parse_size
 
 DEFAULT_PATH = "/etc/pled/pled.toml"
-DEFAULT_SOCKET = "/run/pled/pled.sock"
 ENV_VAR = "PLED_CONFIG"
 
 
@@ -120,12 +120,6 @@ class Config(BaseModel):
                 raise ValueError(f"table name {table.name!r} is used twice; names must be unique")
             seen.add(table.name)
         return tables
-
-    def table(self, name: str) -> TableConfig:
-        for table in self.tables:
-            if table.name == name:
-                return table
-        raise KeyError(name)
 
 
 def _key(loc: tuple) -> str:

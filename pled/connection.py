@@ -12,7 +12,7 @@ import socket as socket_mod
 from . import protocol
 from .errors import PledError
 
-DEFAULT_SOCKET = "/run/pled/pled.sock"
+DEFAULT_SOCKET = protocol.DEFAULT_SOCKET
 ENV_SOCKET = "PLED_SOCKET"
 _HINT = "check `systemctl status pled` and `journalctl -u pled`"
 

@@ -19,9 +19,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-import psutil
-
-from . import __version__, fdstore, notify, preflight, protocol, region, staging
+from . import __version__, fdstore, hostmem, notify, preflight, protocol, region, staging
 from .access import Policy
 from . import config as config_mod
 from .config import Config
@@ -333,7 +331,7 @@ class Daemon:
                 continue
             t.measure()
             share = t.resident_share
-            if share < 0.9995:
+            if share < protocol.FULLY_RESIDENT:
                 log.warning("table %s is only %.1f%% resident (%s of %s); its pages were swapped out: set "
                             "MemorySwapMax=0 for pled.service or turn swap off", t.name, share * 100,
                             gib(share * t.manifest.region_bytes), gib(t.manifest.region_bytes))
@@ -524,7 +522,7 @@ class Daemon:
         total = sum(t.manifest.region_bytes for t in tables)
         copied = sum(t.bytes_done for t in tables)
         seconds = time.monotonic() - self._started
-        rss = psutil.Process().memory_info().rss
+        rss = hostmem.own_rss()
         for t in tables:
             t.measure()
         log.info("ready: %d table(s), %s in sealed memfds (%d adopted, %s copied) in %.1f s; pled's own memory %s RSS; "

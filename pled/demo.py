@@ -10,6 +10,7 @@ import time
 import numpy as np
 
 from . import dequant, preflight, region, staging
+from .errors import EX_CONFIG
 from .generator import make_sidecar
 from .pagecache import cached_bytes
 from .sidecar import open_table
@@ -46,7 +47,7 @@ def _run(work: str, layout: str, shards: int, rows: int, seed: int) -> int:
     verdict = preflight.check({layout: manifest.region_bytes}, margin=256 * 1024**2)
     print(f"3. {verdict.message}")
     if not verdict.ok:
-        return 78
+        return EX_CONFIG
 
     r = staging.stage(layout, sidecar)
     with r:

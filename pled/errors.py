@@ -10,8 +10,9 @@ from __future__ import annotations
 EX_OK = 0
 EX_FAILURE = 1
 EX_NOT_RUNNING = 3  # as systemctl status and LSB init scripts say "not running"
-EX_USAGE = 64
+EX_USAGE = 64  # sysexits.h: the command was used wrongly (a bad argument)
 EX_CONFIG = 78
+EX_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process ended by Ctrl-C
 
 
 class PledError(Exception):

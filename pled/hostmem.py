@@ -64,6 +64,15 @@ def read_meminfo(root: str = "/") -> MemInfo | None:
     return MemInfo(fields["MemTotal"], fields["MemFree"], min(estimate, fields["MemTotal"]), estimated=True)
 
 
+def own_rss(root: str = "/") -> int:
+    """This process's resident memory (VmRSS), in bytes; 0 where /proc cannot tell."""
+    text = _read(_join(root, "/proc/self/status")) or ""
+    for line in text.splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 @dataclass(frozen=True)
 class CgroupLevel:
     """One memory cgroup on the way from ours to the root, with a limit."""

@@ -1,8 +1,8 @@
 """Transparent huge pages for shared memory: what the kernel allows, what a region got.
 
-Measured here on a 4 GiB table, huge pages made staging about twice as fast, a
-client's first touch of the whole table 1 ms instead of ~300 ms, and random row
-gathers 1.3-2x faster, so pled asks for them and says plainly when it cannot.
+Huge pages make staging, a client's first touch of the table and its random row
+gathers faster (docs/BENCHMARKS.md has the figures), so pled asks for them and
+says plainly when it cannot.
 """
 from __future__ import annotations
 
@@ -10,11 +10,15 @@ import os
 from dataclasses import dataclass
 
 THP = "/sys/kernel/mm/transparent_hugepage"
-PMD_SIZE = 2 * 1024 * 1024
+PMD_SIZE = 2 * 1024 * 1024  # a PMD-mapped huge page on x86-64 and arm64 (4 KiB base pages); region.ALIGN too
 ENABLE_HINT = (
     "echo advise > /sys/kernel/mm/transparent_hugepage/shmem_enabled "
     "(affects only memory that asks for huge pages; pled.service does this in ExecStartPre=)"
 )
+
+
+class PolicyUnreadable(OSError):
+    """A THP sysfs file exists but cannot be read (EACCES in a sandbox, say): not the same as no THP."""
 
 
 @dataclass(frozen=True)
@@ -41,8 +45,10 @@ def _selected(path: str) -> str | None:
     try:
         with open(path, encoding="ascii") as f:
             text = f.read()
-    except OSError:
+    except FileNotFoundError:
         return None
+    except OSError as err:
+        raise PolicyUnreadable(err.errno, err.strerror, path) from err
     for word in text.split():
         if word.startswith("[") and word.endswith("]"):
             return word[1:-1]
@@ -50,6 +56,8 @@ def _selected(path: str) -> str | None:
 
 
 def read_policy(root: str = "/") -> ShmemPolicy | None:
+    """What the kernel allows shared memory; None on a kernel without THP. PolicyUnreadable where a file
+    exists but cannot be read."""
     base = os.path.join(root, THP.lstrip("/"))
     setting = _selected(os.path.join(base, "shmem_enabled"))
     if setting is None:
@@ -58,7 +66,7 @@ def read_policy(root: str = "/") -> ShmemPolicy | None:
         with open(os.path.join(base, "hpage_pmd_size"), encoding="ascii") as f:
             pmd_size = int(f.read())
     except (OSError, ValueError):
-        pmd_size = 2 * 1024 * 1024
+        pmd_size = PMD_SIZE
     pmd = _selected(os.path.join(base, f"hugepages-{pmd_size // 1024}kB", "shmem_enabled"))
     return ShmemPolicy(setting, pmd, pmd_size)
 

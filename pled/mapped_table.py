@@ -10,6 +10,7 @@ asked for (it comes from the vLLM environment).
 """
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import time
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from . import hugepages, region
+from .connection import ClientError
 
 if TYPE_CHECKING:
     import torch
@@ -101,8 +103,10 @@ class Table:
         start = time.perf_counter()
         try:
             self._map.madvise(MADV_POPULATE_READ)
-        except OSError:
-            pass  # kernels before 5.14: the reads below fault the pages in instead
+        except OSError as err:
+            if err.errno != errno.EINVAL:  # EINVAL: a kernel before 5.14; the reads below fault the pages in
+                raise ClientError(f"pre-faulting table {self.manifest.table} failed: {err.strerror} "
+                                  f"(MADV_POPULATE_READ, errno {err.errno}); attach with populate=False to skip it") from err
         huge = hugepages.pmd_mapped_bytes(self.address) >= 0.9 * self.manifest.region_bytes
         stride = hugepages.PMD_SIZE if huge else PAGE
         int(np.frombuffer(self._map, dtype=np.uint8)[::stride].sum())
@@ -181,8 +185,9 @@ class Table:
 
     # -- life --------------------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Unmap and drop the fd and the attachment. Views taken from ``tensors`` must be gone first."""
+    def close(self, _close=os.close) -> None:
+        """Unmap and drop the fd and the attachment. Views taken from ``tensors`` must be gone first.
+        (os.close is bound, not looked up: __del__ may run at interpreter exit, after this module's globals.)"""
         self._gatherer = None
         self._names = None
         self._views = None
@@ -194,7 +199,7 @@ class Table:
                 pass
         fd, self._fd = self._fd, -1
         if fd >= 0:
-            os.close(fd)
+            _close(fd)
         attachment, self._attachment = self._attachment, None
         if attachment is not None:
             attachment.close()

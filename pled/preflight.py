@@ -10,14 +10,11 @@ a preflight must never stop a boot for lack of data.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 from . import hostmem
 from .errors import PreflightRefused
 from .sizes import gib
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

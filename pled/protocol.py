@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 
-INTERFACE = "io.pled"
 ATTACH = "io.pled.Attach"
 STATUS = "io.pled.Status"
 PING = "io.pled.Ping"
@@ -24,8 +23,14 @@ RELOAD_FAILED = "io.pled.ReloadFailed"
 METHOD_NOT_FOUND = "org.varlink.service.MethodNotFound"
 INVALID_PARAMETER = "org.varlink.service.InvalidParameter"
 
+DEFAULT_SOCKET = "/run/pled/pled.sock"  # the config's socket, and a client's without $PLED_SOCKET
+# A table at least this share in memory is "fully resident": `pled status` is healthy, the daemon does not warn.
+FULLY_RESIDENT = 0.9995
+
 MAX_CALL = 64 * 1024  # a call is a method name and a table name: anything bigger is refused
-MAX_REPLY = 64 * 1024 * 1024  # a manifest of thousands of tensors, with room to spare
+# The largest reply is Status: every table, and every attached client (at most server.MAX_CONNECTIONS, each a
+# few hundred bytes with its command line), about 2 MB at worst. The manifest travels in the region, not in replies.
+MAX_REPLY = 8 * 1024 * 1024
 
 
 class MessageTooLong(ValueError):

@@ -23,15 +23,14 @@ import os
 import struct
 from dataclasses import asdict, dataclass, replace
 
+from .digests import PLACEHOLDER as DIGEST_PLACEHOLDER
 from .errors import RegionError
+from .hugepages import PMD_SIZE
 
 MAGIC = b"PLEDRGN\0"
 FORMAT_VERSION = 1
-ALIGN = 2 * 1024 * 1024  # shards start on a PMD huge-page boundary
+ALIGN = PMD_SIZE  # shards start on a PMD huge-page boundary
 _PREFIX = struct.Struct("<8sIIQQ32s")  # 64 bytes
-# Stands in for a shard's digest until staging has computed it: same length, so the manifest's size,
-# and every offset that depends on it, is the same before and after.
-DIGEST_PLACEHOLDER = "xxh3_128:" + "0" * 32
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
 
 
@@ -50,7 +49,7 @@ class ShardEntry:
     fingerprint: str  # sha256 of the file's safetensors header
     offset: int  # in the region
     rows: int
-    digest: str = ""  # "xxh3_128:<hex>" of the whole file's bytes, computed while staging
+    digest: str = ""  # "<digests.OWN>:<hex>" of the whole file's bytes, computed while staging
 
 
 @dataclass(frozen=True)
@@ -198,10 +197,12 @@ class Region:
         fd, self._fd = self._fd, -1
         return fd
 
-    def close(self) -> None:
+    def close(self, _close=os.close) -> None:
+        # os.close is bound here, not looked up: at interpreter exit __del__ may run after this module's
+        # globals are gone.
         fd = self.release()
         if fd >= 0:
-            os.close(fd)
+            _close(fd)
 
     def __enter__(self) -> "Region":
         return self

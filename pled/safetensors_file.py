@@ -48,12 +48,6 @@ class SafetensorsHeader:
     metadata: dict
     fingerprint: str  # sha256 of the header bytes: identifies the layout and offsets
 
-    def tensor(self, name: str) -> TensorInfo:
-        for t in self.tensors:
-            if t.name == name:
-                return t
-        raise KeyError(name)
-
 
 def read_header(path: str) -> SafetensorsHeader:
     """Parse and validate ``path``'s header; raise SidecarError naming the file."""
@@ -151,10 +145,10 @@ def _tensor(path: str, name: str, spec: object, data_offset: int, data_size: int
 
 def write(path: str, tensors: list[tuple[str, str, tuple[int, ...], bytes | memoryview]], metadata: dict | None = None) -> str:
     """Write a safetensors file (used by the sidecar generator and tests), padding the header to 8 bytes, and fsync it.
-    Returns the xxh3_128 digest of the file's bytes, as "xxh3_128:<hex>", the digest pled records while staging."""
-    import xxhash
+    Returns the digest of the file's bytes that pled records while staging, as "<digests.OWN>:<hex>"."""
+    from .digests import OWN, new_hasher
 
-    digest = xxhash.xxh3_128()
+    digest = new_hasher(OWN)
     header: dict = {}
     if metadata:
         header["__metadata__"] = metadata
@@ -172,4 +166,4 @@ def write(path: str, tensors: list[tuple[str, str, tuple[int, ...], bytes | memo
         f.flush()
         # Clean pages: the generator's output must be droppable from page cache like any sidecar on disk.
         os.fsync(f.fileno())
-    return "xxh3_128:" + digest.hexdigest()
+    return f"{OWN}:{digest.hexdigest()}"

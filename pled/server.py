@@ -22,17 +22,18 @@ from typing import Callable
 
 from . import protocol
 from .access import Peer, Policy, peer_of
-from .errors import PledError
+from .errors import EX_CONFIG, PledError
 
 log = logging.getLogger(__name__)
 
 CALL_TIMEOUT = 5.0  # seconds a half-sent call, or an unread reply, may wait
 MAX_CONNECTIONS = 4096
+MAX_HELD = 64  # calls a client may send behind one that waits
 PENDING = object()  # a handler's answer when the reply comes later (Attach with wait)
 
 
 class SocketInUse(PledError):
-    exit_status = 78
+    exit_status = EX_CONFIG
 
 
 @dataclass
@@ -53,6 +54,9 @@ class Connection:
     stalled_since: float | None = None  # when a partial call or an unsent reply began to wait
     closing: bool = False
     attached: dict = field(default_factory=dict)  # table -> generation
+    # Replies go out in call order: while a call waits (Attach with wait, Reload) later calls are held here.
+    waiting: bool = False
+    held: deque = field(default_factory=deque)
 
     @property
     def fd(self) -> int:
@@ -197,6 +201,12 @@ class Server:
             self._dispatch(conn, raw)
 
     def _dispatch(self, conn: Connection, raw: bytes) -> None:
+        if conn.waiting:  # answered after the call that waits, in order
+            if len(conn.held) >= MAX_HELD:
+                self._fail(conn, protocol.INVALID_MESSAGE, f"over {MAX_HELD} calls sent behind one still waiting")
+            else:
+                conn.held.append(raw)
+            return
         if not conn.allowed:
             log.warning("refused %s: not root, not pled's user, not in allow_uids or allow_groups", conn.peer.describe())
             self.send(conn, Reply(protocol.error(protocol.PERMISSION_DENIED, uid=conn.peer.uid), close_after=True))
@@ -207,7 +217,9 @@ class Server:
             self._fail(conn, protocol.INVALID_MESSAGE, str(err))
             return
         result = self.handler(conn, method, parameters)
-        if result is not PENDING:
+        if result is PENDING:
+            conn.waiting = True
+        else:
             self.send(conn, result)
 
     def _fail(self, conn: Connection, name: str, reason: str) -> None:
@@ -217,11 +229,16 @@ class Server:
     # -- replies -----------------------------------------------------------------------------
 
     def send(self, conn: Connection, reply: Reply) -> None:
+        """Queue ``reply``; while ``conn`` waits, it is the answer to the waiting call, and the calls held
+        behind that one are dispatched next."""
         if self._sel is None or conn.fd not in self.connections or conn.closing:
             return  # shutting down, or the peer is gone
         conn.out.append([bytearray(protocol.encode(reply.message)), reply.fds])
-        conn.closing = reply.close_after
+        conn.closing = conn.closing or reply.close_after
+        was_waiting, conn.waiting = conn.waiting, False
         self._flush(conn)
+        while was_waiting and conn.held and not conn.waiting and not conn.closing and conn.fd in self.connections:
+            self._dispatch(conn, conn.held.popleft())
 
     def _flush(self, conn: Connection) -> None:
         while conn.out:

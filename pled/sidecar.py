@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field
 
 from . import layouts
+from .digests import HEX_LENGTH
 from .errors import SidecarError
 from .safetensors_file import SafetensorsHeader, read_header
 
@@ -235,8 +236,7 @@ def _read_meta(path: str, sidecar: Sidecar) -> dict:
 
 
 _SUMS = {"B3SUMS": "blake3", "SHA256SUMS": "sha256"}
-# The digests a sidecar may ship, and their length in hex digits.
-DIGEST_HEX = {"xxh3_128": 32, "blake3": 64, "sha256": 64}
+_FORMS = ", ".join(f'"{algo}:<{n} hex>"' for algo, n in HEX_LENGTH.items())
 
 
 def _read_digests(directory: str, meta: dict, names: set[str]) -> dict:
@@ -248,12 +248,11 @@ def _read_digests(directory: str, meta: dict, names: set[str]) -> dict:
     listed = meta.get("digests")
     if listed is not None:
         if not isinstance(listed, dict):
-            raise SidecarError(where, '"digests" must map shard file names to "<algorithm>:<hex>" (xxh3_128, blake3, sha256)')
+            raise SidecarError(where, f'"digests" must map shard file names to {_FORMS}')
         for name, value in listed.items():
             algo, _, hexdigest = str(value).partition(":")
             if not _is_hex(algo, hexdigest):
-                raise SidecarError(where, f'digest of {name} is {value!r}; expected "xxh3_128:<32 hex>", '
-                                          '"blake3:<64 hex>" or "sha256:<64 hex>"')
+                raise SidecarError(where, f"digest of {name} is {value!r}; expected one of {_FORMS}")
             found[name] = (algo, hexdigest, where)
     for sums, algo in _SUMS.items():
         path = os.path.join(directory, sums)
@@ -279,4 +278,4 @@ def _read_digests(directory: str, meta: dict, names: set[str]) -> dict:
 
 
 def _is_hex(algo: str, text: str) -> bool:
-    return algo in DIGEST_HEX and len(text) == DIGEST_HEX[algo] and all(c in "0123456789abcdef" for c in text)
+    return algo in HEX_LENGTH and len(text) == HEX_LENGTH[algo] and all(c in "0123456789abcdef" for c in text)

@@ -12,9 +12,6 @@ _UNITS = {
 }
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
-HUGE_PAGE = 2 * 1024**2
-
-
 def parse_size(value: int | str) -> int:
     """Bytes from an int or a string such as "512MiB", "1.5 GiB", "4G" (G = GiB)."""
     if isinstance(value, bool):
@@ -27,10 +24,6 @@ def parse_size(value: int | str) -> int:
     if not match or match.group(2).lower() not in _UNITS:
         raise ValueError(f"{value!r} is not a size: use bytes or a string like \"512MiB\" or \"1GiB\"")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-
-
-def align_up(n: int, alignment: int = HUGE_PAGE) -> int:
-    return -(-n // alignment) * alignment
 
 
 def gib(n: int | float) -> str:

@@ -20,7 +20,7 @@ from typing import Callable
 
 from . import hugepages, region
 from .digests import OWN, new_hasher
-from .errors import PledError, SidecarError, StagingError
+from .errors import EX_OK, PledError, SidecarError, StagingError
 from .pagecache import mapping_address
 from .region import Manifest, Region
 from .sidecar import Shard, Sidecar
@@ -36,7 +36,7 @@ FAULT = "fault"  # read() into a MADV_HUGEPAGE mapping: page faults are what all
 class StagingCancelled(PledError):
     """Staging stopped on request (SIGTERM); nothing is wrong."""
 
-    exit_status = 0
+    exit_status = EX_OK
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,16 @@ def plan_fill(huge_pages: str, policy: hugepages.ShmemPolicy | None) -> FillPlan
     return FillPlan(FAULT, policy.effective, "")
 
 
+def _plan_fill_from(huge_pages: str, sys_root: str) -> FillPlan:
+    if huge_pages == "off":
+        return plan_fill(huge_pages, None)
+    try:
+        return plan_fill(huge_pages, hugepages.read_policy(sys_root))
+    except hugepages.PolicyUnreadable as err:
+        return FillPlan(SENDFILE, "unreadable", f"cannot read {err.filename} ({err.strerror}): the table uses 4 KiB "
+                                                 "pages; let pled's user read it, or set huge_pages = \"off\"")
+
+
 @dataclass(frozen=True)
 class StageStats:
     seconds: float
@@ -81,10 +91,13 @@ class Pacer:
     """Holds staging to ``bandwidth`` bytes/s on average (the config's staging_bandwidth), so that
     pled does not take the whole disk from a vLLM that is loading its checkpoint meanwhile."""
 
-    def __init__(self, bandwidth: int | None, should_stop: Callable[[], bool]) -> None:
+    def __init__(self, bandwidth: int | None, should_stop: Callable[[], bool], chunk: int = CHUNK) -> None:
         self.bandwidth = bandwidth
         self.should_stop = should_stop
-        self.chunk = CHUNK if not bandwidth else max(1 << 20, min(CHUNK, bandwidth // 8))
+        # A whole number of huge pages: the page cache holds files in folios of up to 2 MiB, and dropping a
+        # chunk's pages leaves any folio that runs past either end of it.
+        chunk = chunk if not bandwidth else min(chunk, bandwidth // 8)
+        self.chunk = max(hugepages.PMD_SIZE, chunk // hugepages.PMD_SIZE * hugepages.PMD_SIZE)
         self._start = time.monotonic()
         self._done = 0
 
@@ -159,16 +172,18 @@ def stage(
     should_stop: Callable[[], bool] = lambda: False,
     bandwidth: int | None = None,
     digests: bool = True,
+    chunk: int = CHUNK,
 ) -> Region:
     """Stage ``sidecar`` into a new sealed memfd; the caller owns the returned Region.
-    ``digests=False`` skips hashing (the benchmark's baseline for what hashing costs)."""
+    ``digests=False`` skips hashing (the benchmark's baseline for what hashing costs). ``chunk``: bytes copied
+    (and dropped from the page cache) at a time; ``should_stop`` is asked before each chunk."""
     planned = region.plan(table, sidecar)
-    fill = plan_fill(huge_pages, hugepages.read_policy(sys_root))
+    fill = _plan_fill_from(huge_pages, sys_root)
     fd = os.memfd_create(f"pled:{table}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, planned.region_bytes)
         start = time.perf_counter()
-        manifest, huge_bytes = _fill(fd, planned, sidecar, fill, on_shard, Pacer(bandwidth, should_stop), table, digests)
+        manifest, huge_bytes = _fill(fd, planned, sidecar, fill, on_shard, Pacer(bandwidth, should_stop, chunk), table, digests)
         seconds = time.perf_counter() - start
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, region.SEALS)
     except BaseException:

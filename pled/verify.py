@@ -95,3 +95,10 @@ def verify(socket: str, table: str | None = None, out=sys.stdout) -> int:
     except client.ClientError as err:
         print(f"pled verify: {err}", file=sys.stderr)
         return 1
+    except PermissionError as err:
+        print(f"pled verify: cannot read {err.filename} ({err.strerror}); run it as a user who may read the "
+              "table's source files (root, or pled's user)", file=sys.stderr)
+        return 1
+    except OSError as err:
+        print(f"pled verify: {err.filename or 'a source file'}: {err.strerror or err}", file=sys.stderr)
+        return 1

@@ -33,6 +33,15 @@ def settle_shmem(baseline: int, tolerance: int, timeout: float = 10) -> int:
     return now
 
 
+def serve_until_ready_or_exit(cfg: Path, tmp_path: Path) -> subprocess.CompletedProcess:
+    """pled serve until it exits or says ready (then it is stopped): a refusal shows at once, not as a timeout."""
+    d = Daemon(cfg, str(tmp_path / "run" / "pled.sock"))
+    while d.proc.poll() is None and "ready:" not in d.log():
+        time.sleep(0.02)
+    d.stop()
+    return subprocess.CompletedProcess(d.proc.args, d.proc.returncode, "", d.log())
+
+
 def test_kill_9_at_random_points_of_staging_leaves_nothing_behind(tmp_path):
     d = tmp_path / "sc"
     make_sidecar(str(d), "ples_int4", shards=4, rows=80_000)  # 32 MB, staged at 40 MB/s: under a second
@@ -118,8 +127,8 @@ def test_a_corrupt_shard_is_refused_by_its_digest_and_found_by_verify(tmp_path, 
     bad = bytearray(good)
     bad[len(bad) // 2] ^= 0x01  # one bit in one byte of the data, the header untouched
     (d / "shard_2.safetensors").write_bytes(bad)
-    r = run_pled("serve", "-c", write_config(tmp_path / "a.toml", {"t": d}, headroom_margin=0))
-    assert r.returncode == 78
+    r = serve_until_ready_or_exit(write_config(tmp_path / "a.toml", {"t": d}, headroom_margin=0), tmp_path)
+    assert r.returncode == 78, r.stderr
     assert "shard_2.safetensors: content xxh3_128:" in r.stderr and "does not match" in r.stderr and "META.json" in r.stderr
     # Without the shipped digests the same file stages; `pled verify` then finds what differs from the disk.
     (d / "shard_2.safetensors").write_bytes(good)
@@ -147,7 +156,9 @@ def test_sums_files_are_checked_too(tmp_path, sidecar):
     import blake3
 
     (d / "B3SUMS").write_text("".join(f"{blake3.blake3((d / k).read_bytes()).hexdigest()}  {k}\n" for k in digests))
-    assert run_pled("serve", "-c", write_config(tmp_path / "ok.toml", {"t": d}, headroom_margin="1000TiB")).returncode == 78
+    pled = Daemon(write_config(tmp_path / "ok.toml", {"t": d}, headroom_margin=0), str(tmp_path / "run/pled.sock"))
+    pled.wait_for("ready:")  # the correct sums pass
+    assert pled.stop() == 0
     (d / "B3SUMS").write_text(f"{'0' * 64}  shard_1.safetensors\n")
     r = run_pled("serve", "-c", write_config(tmp_path / "bad.toml", {"t": d}, headroom_margin=0))
     assert r.returncode == 78 and "shard_1.safetensors: content blake3:" in r.stderr and "B3SUMS" in r.stderr

@@ -1,0 +1,55 @@
+"""allow_groups against real processes: a client whose supplementary groups (not its primary gid) meet the policy.
+
+The client is a forked child that drops to uid/gid 65534 and sets its supplementary groups with setgroups, so
+the test holds however pled learns a peer's groups (/proc/PID/status or SO_PEERGROUPS)."""
+import os
+import shutil
+import tempfile
+
+import pytest
+
+from pled import client
+
+GROUP = 4242  # a gid nobody has: only the child's setgroups gives it
+
+
+def attach_as_nobody(sock: str, groups: list[int]) -> str:
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            os.setgroups(groups)
+            os.setgid(65534)
+            os.setuid(65534)
+            try:
+                client.attach("t", socket=sock, populate=False).close()
+                said = "attached"
+            except client.ClientError as err:
+                said = f"{type(err).__name__}: {err}"
+            os.write(w, said.encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    with os.fdopen(r) as f:
+        return f.read()
+
+
+@pytest.mark.parametrize("groups,expected", [([GROUP], "attached"), ([5151, GROUP], "attached"), ([], "PermissionDenied"),
+                                             ([5151], "PermissionDenied")])
+def test_a_supplementary_group_in_allow_groups_may_attach(sidecar, daemon, groups, expected):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a client as another uid with chosen groups")
+    run = tempfile.mkdtemp(prefix="pled-groups-", dir="/tmp")
+    os.chmod(run, 0o755)
+    try:
+        sock = os.path.join(run, "pled.sock")
+        pled = daemon({"t": sidecar(shards=1, rows=10)}, socket=sock, allow_groups=[GROUP])
+        os.chmod(sock, 0o666)  # the kernel lets anyone connect; pled's own policy decides
+        said = attach_as_nobody(sock, groups)
+        assert said.startswith(expected), said
+        if expected == "PermissionDenied":
+            assert "refused pid" in pled.wait_for("uid 65534")
+    finally:
+        shutil.rmtree(run)

@@ -1,0 +1,70 @@
+"""Adopting a region systemd kept (pled/fdstore.py): only one that is sealed and planned from the very same files.
+
+Real memfds and files; the Notifier has no NOTIFY_SOCKET, so FDSTOREREMOVE goes nowhere."""
+import logging
+import os
+import shutil
+
+import pytest
+
+from pled import fdstore, region, staging
+from pled.notify import Notifier, StoredFd
+from pled.sidecar import open_table
+
+
+@pytest.fixture
+def staged(sidecar):
+    d = sidecar("ples_int4", shards=3, rows=500)
+    r = staging.stage("t", open_table(str(d)))
+    yield d, r
+    r.close()
+
+
+def sort(d, fds, caplog):
+    caplog.set_level(logging.INFO, logger="pled.fdstore")
+    return fdstore.sort_stored(fds, {"t": region.plan("t", open_table(str(d)))}, Notifier({}))
+
+
+def test_the_same_files_are_adopted(staged, caplog):
+    d, r = staged
+    out = sort(d, [StoredFd(os.dup(r.fd), "pled.3.t")], caplog)
+    adopted, generation = out.adopted["t"]
+    assert generation == 3 and adopted.manifest == r.manifest
+    adopted.close()
+
+
+def test_a_shard_replaced_by_another_file_with_the_same_size_mtime_and_header_is_not_adopted(staged, caplog):
+    d, r = staged
+    path = d / "shard_1.safetensors"
+    copy = d / "copy.tmp"
+    shutil.copy2(path, copy)  # the same bytes and mtime, in another inode
+    os.replace(copy, path)
+    st = os.stat(path)
+    entry = r.manifest.shards[1]
+    assert (st.st_size, st.st_mtime_ns) == (entry.size, entry.mtime_ns) and st.st_ino != entry.ino
+    fd = os.dup(r.fd)
+    out = sort(d, [StoredFd(fd, "pled.1.t")], caplog)
+    assert "t" not in out.adopted and out.generations["t"] == 2
+    assert "shard_1.safetensors: replaced by another file" in caplog.text
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed: the store does not keep it either
+
+
+def test_an_unsealed_region_is_not_adopted(staged, caplog):
+    d, r = staged
+    fd = os.memfd_create("pled:t", os.MFD_ALLOW_SEALING)
+    os.write(fd, os.pread(r.fd, r.manifest.region_bytes, 0))  # the very bytes, but writable
+    assert region.read_manifest(fd) == r.manifest and not region.is_sealed(fd)
+    out = sort(d, [StoredFd(fd, "pled.1.t")], caplog)
+    assert out.adopted == {}
+    assert "not a usable region (its seals are missing)" in caplog.text
+
+
+def test_a_region_of_another_table_or_twice_the_same_table(staged, caplog):
+    d, r = staged
+    out = sort(d, [StoredFd(os.dup(r.fd), "pled.1.other")], caplog)
+    assert out.adopted == {} and "table other is no longer in the config" in caplog.text
+    out = sort(d, [StoredFd(os.dup(r.fd), "pled.2.t"), StoredFd(os.dup(r.fd), "pled.5.t")], caplog)
+    adopted, generation = out.adopted["t"]
+    assert generation == 5 and "table t is stored twice; keeping generation 5" in caplog.text
+    adopted.close()

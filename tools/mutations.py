@@ -1,0 +1,151 @@
+"""Break pled on purpose, one way at a time, and show that a test notices, quickly (issue 15, "Tests that can fail").
+
+    python tools/mutations.py            # every mutation (a few minutes)
+    python tools/mutations.py -k groups  # those whose name contains "groups"
+    python tools/mutations.py --list
+
+Each mutation replaces one exact piece of source text (found exactly once, or the script stops) and runs only the
+tests meant to catch it, with the worktree's pled first on the path. Before any mutation those tests run unbroken and
+must pass. A mutation counts as caught when its tests fail without a pytest timeout being the reason. Every file is
+restored afterwards, whatever happens. Exit status 0 when every mutation is caught.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+
+
+MUTATIONS = [
+    Mutation("per-chunk POSIX_FADV_DONTNEED removed (only the per-shard one kept)", "pled/staging.py",
+             "            _drop_cache(src, done, got, shard.path)\n", "",
+             ("tests/test_staging_contracts.py::test_each_chunk_leaves_the_page_cache_as_soon_as_it_is_copied",)),
+    Mutation("supplementary groups ignored in the access policy", "pled/access.py",
+             "or bool(peer.groups & self.allow_gids)", "or peer.gid in self.allow_gids",
+             ("tests/test_access_groups.py",)),
+    Mutation("cgroup v1 reclaimable counted as total_cache (shmem included)", "pled/hostmem.py",
+             '("total_active_file", "total_inactive_file")', '("total_cache",)',
+             ("tests/test_cgroup_reclaimable.py",)),
+    Mutation("cgroup v2 reclaimable counted as file (shmem included)", "pled/hostmem.py",
+             '2: ("memory.max", "memory.current", ("active_file", "inactive_file"))',
+             '2: ("memory.max", "memory.current", ("file",))',
+             ("tests/test_cgroup_reclaimable.py",)),
+    Mutation("nibble order flipped in the numpy reference dequant.py", "pled/dequant.py",
+             "        nibbles[:, 0::2] = packed & 0x0F  # low nibble first\n        nibbles[:, 1::2] = packed >> 4\n",
+             "        nibbles[:, 0::2] = packed >> 4\n        nibbles[:, 1::2] = packed & 0x0F\n",
+             ("tests/test_dequant_reference.py",)),
+    Mutation("identity() ignoring dev/ino", "pled/region.py",
+             'replace(s, digest="") for s in self.shards', 'replace(s, digest="", dev=0, ino=0) for s in self.shards',
+             ("tests/test_adoption.py",)),
+    Mutation("seal check skipped when adopting a stored fd", "pled/fdstore.py",
+             "            if not region.is_sealed(item.fd):\n", "            if False:\n",
+             ("tests/test_adoption.py",)),
+    Mutation("wrong hasher for blake3 sums", "pled/digests.py",
+             "        return blake3.blake3(max_threads=1)", "        return hashlib.sha256()",
+             ("tests/test_staging_contracts.py::test_correct_shipped_sums_pass_and_a_wrong_one_is_refused",)),
+    Mutation("residency (the kernel's measure) returning a constant", "pled/pagecache.py",
+             "    return found if found is not None else _mincore(fd, os.fstat(fd).st_size)",
+             "    return os.fstat(fd).st_size",
+             ("tests/test_staging_contracts.py",)),
+    Mutation("a client's residency() returning a constant", "pled/client.py",
+             "        return min(1.0, cached_bytes_fd(self._fd) / self.manifest.region_bytes)", "        return 1.0",
+             ("tests/test_staging_contracts.py::test_a_client_table_partly_in_memory_says_so_and_populate_brings_it_in",)),
+    Mutation("populate() doing nothing", "pled/client.py",
+             "        start = time.perf_counter()\n        try:\n            self._map.madvise(MADV_POPULATE_READ)",
+             "        return 0.0\n        start = time.perf_counter()\n        try:\n            self._map.madvise(MADV_POPULATE_READ)",
+             ("tests/test_staging_contracts.py::test_a_client_table_partly_in_memory_says_so_and_populate_brings_it_in",)),
+    Mutation("MADV_POPULATE_READ failures of any kind swallowed", "pled/client.py",
+             "            if err.errno != errno.EINVAL:", "            if False:",
+             ("tests/test_errors.py::test_a_populate_that_fails_is_an_error_not_a_crash",)),
+    Mutation("stage() leaking the memfd on cancel", "pled/staging.py",
+             "        os.close(fd)  # a half-built region frees its memory with its last fd\n", "",
+             ("tests/test_staging_contracts.py::test_cancel_after_the_first_chunk_closes_the_half_built_region",)),
+    Mutation("a shipped-digest mismatch ignored", "pled/staging.py",
+             "    if expected is None:\n        return\n", "    if True:\n        return\n",
+             ("tests/test_staging_contracts.py::test_a_shard_that_does_not_match_its_shipped_digest_is_refused_at_once",
+              "tests/test_faults.py::test_a_corrupt_shard_is_refused_by_its_digest_and_found_by_verify")),
+    Mutation("EACCES on the THP sysfs taken for a kernel without THP", "pled/hugepages.py",
+             "    except FileNotFoundError:\n        return None\n    except OSError as err:\n",
+             "    except OSError:\n        return None\n    except ValueError as err:\n",
+             ("tests/test_errors.py::test_an_unreadable_huge_page_setting_is_reported_as_such",)),
+    Mutation("replies out of call order behind a waiting Attach", "pled/server.py",
+             "        if conn.waiting:  # answered after the call that waits, in order\n",
+             "        if False:\n",
+             ("tests/test_reply_order.py",)),
+    Mutation("the daemon imports torch", "pled/staging.py",
+             "from . import hugepages, region\n", "from . import hugepages, region\nimport torch  # noqa\n",
+             ("tests/test_layering.py",)),
+    Mutation("a client imports daemon code", "pled/client.py",
+             "from . import hugepages, protocol, region\n", "from . import config, hugepages, protocol, region  # noqa\n",
+             ("tests/test_layering.py",)),
+]
+
+
+def pytest(tests: tuple[str, ...], timeout: float) -> tuple[int, float, str]:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    start = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=timeout)
+    return r.returncode, time.monotonic() - start, r.stdout + r.stderr
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-k", default="", help="only mutations whose name contains this")
+    p.add_argument("--list", action="store_true")
+    p.add_argument("--timeout", type=float, default=600, help="seconds for one pytest run")
+    a = p.parse_args()
+    chosen = [m for m in MUTATIONS if a.k.lower() in m.name.lower()]
+    if a.list:
+        for m in chosen:
+            print(f"{m.name}: {m.path} -> {' '.join(m.tests)}")
+        return 0
+    for m in chosen:
+        count = (ROOT / m.path).read_text().count(m.old)
+        if count != 1:
+            print(f"cannot apply '{m.name}': its text occurs {count} times in {m.path}; update tools/mutations.py")
+            return 2
+    tests = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
+    rc, seconds, out = pytest(tests, a.timeout)
+    if rc != 0:
+        print(f"the tests fail without any mutation ({seconds:.0f} s); fix them first:\n{out[-3000:]}")
+        return 2
+    print(f"unbroken: {len(tests)} test targets pass ({seconds:.1f} s)")
+    missed = []
+    for m in chosen:
+        path = ROOT / m.path
+        original = path.read_text()
+        try:
+            path.write_text(original.replace(m.old, m.new))
+            rc, seconds, out = pytest(m.tests, a.timeout)
+        except subprocess.TimeoutExpired:
+            rc, seconds, out = -1, a.timeout, "Timeout"
+        finally:
+            path.write_text(original)
+        failed = [line for line in out.splitlines() if line.startswith(("FAILED", "ERROR"))]
+        caught = rc not in (0, 5) and "Timeout" not in out
+        print(f"{'caught' if caught else 'MISSED'} in {seconds:5.1f} s: {m.name}"
+              + (f"  <- {failed[0].split(' - ')[0]}" if caught and failed else ""))
+        if not caught:
+            missed.append(m.name)
+    print(f"{len(chosen) - len(missed)} of {len(chosen)} mutations caught")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
