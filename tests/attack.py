@@ -39,7 +39,7 @@ class Attacked(Daemon):
 def start(tmp_path, tables: dict, name: str = "pled", wait: str = "ready:", **kw) -> Attacked:
     config_keys = {k: kw.pop(k) for k in list(kw) if k not in ("nofile", "prefix", "patch")}
     config_keys.setdefault("headroom_margin", 0)
-    sock = str(tmp_path / f"run-{name}" / "pled.sock")
+    sock = config_keys.pop("socket", None) or str(tmp_path / f"run-{name}" / "pled.sock")
     cfg = write_config(tmp_path / f"{name}.toml", tables, socket=sock, **config_keys)
     d = Attacked(cfg, sock, **kw)
     if wait:
