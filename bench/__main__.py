@@ -24,6 +24,7 @@ import threading
 import time
 from pathlib import Path
 
+from bench import soak
 from pled import staging
 from pled.generator import make_sidecar
 from pled.hugepages import THP
@@ -419,8 +420,9 @@ def write_report(res: dict, command: str, path: Path) -> None:
     for name, r in rs.items():
         lines.append(f"| {name} | {fmt(r['seconds'], ' s')} | {r['rchar']['median'] / MiB:.1f} MiB |")
     fresh, adopt = rs["fresh staging"]["seconds"]["median"], rs["adopted from the fd store"]["seconds"]["median"]
-    lines += ["", f"Adoption takes {adopt / fresh:.2f} of a fresh staging's time.", "",
-              "## Against the targets", ""] + res["verdicts"] + [""]
+    lines += ["", f"Adoption takes {adopt / fresh:.2f} of a fresh staging's time."]
+    lines += soak.report(res["soak"]) if "soak" in res else []
+    lines += ["", "## Against the targets", ""] + res["verdicts"] + [""]
     path.write_text("\n".join(lines))
 
 
@@ -471,6 +473,7 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=45)
     p.add_argument("--ids", type=int, default=8192)
     p.add_argument("--no-huge-pages", action="store_true", help="do not switch shmem_enabled to advise for the huge-page runs")
+    p.add_argument("--soak-seconds", type=float, default=120.0, help="bench/soak.py's duration (0: skip it)")
     p.add_argument("--workdir", default="/var/tmp")
     p.add_argument("--out", default=str(ROOT / "docs" / "BENCHMARKS.md"))
     p.add_argument("--json", default=str(ROOT / "docs" / "benchmarks.json"))
@@ -523,6 +526,8 @@ def main() -> int:
         for dm in daemons:
             dm.stop()
         res["restart"] = bench_restart(work, d, a.repeats)
+        if a.soak_seconds > 0:
+            res["soak"] = soak.run(work, a.soak_seconds)
         res["verdicts"] = verdicts(res)
         Path(a.json).write_text(json.dumps(res, indent=2) + "\n")
         write_report(res, command, Path(a.out))
