@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from . import protocol, tables
 from .boundary import clip
-from .connection import Connection
+from .session import Connection
 from .server import PENDING, Reply
 
 if TYPE_CHECKING:

@@ -23,7 +23,7 @@ from . import notify, planning, protocol
 from .access import Policy
 from .boundary import clip
 from .config import Config
-from .connection import Connection
+from .session import Connection
 from .errors import PledError
 from .server import PENDING, Reply
 from .tables import TableState

@@ -3,7 +3,7 @@
 Every connection is checked with SO_PEERCRED when it is accepted. Calls are bounded in size and nesting
 (boundary.load_json); a connection with half a message older than CALL_TIMEOUT, or with a reply it has not
 read for as long, is dropped, and so is one past its bound on unread replies or on fds in flight
-(connection.py). Connections are capped below the open-file limit: at the cap an idle connection (no table,
+(session.py). Connections are capped below the open-file limit: at the cap an idle connection (no table,
 no call) makes room for a new one, and while accept() fails for want of fds the listener rests instead of
 spinning. Anything that goes wrong handling one connection, a bug included, ends in that connection's error
 reply or its drop, logged; it never reaches the loop. A client stays connected while it holds a table: that
@@ -24,7 +24,7 @@ from typing import Callable
 from . import fdlimit, protocol
 from .access import Policy, peer_of
 from .boundary import clip
-from .connection import CALL_TIMEOUT, MAX_FDS_PER_CONNECTION, MAX_UNREAD, MAX_UNREAD_PER_UID, Connection
+from .session import CALL_TIMEOUT, MAX_FDS_PER_CONNECTION, MAX_UNREAD, MAX_UNREAD_PER_UID, Connection
 from .listener import SocketInUse, bind
 from .throttle import Throttle
 

@@ -123,7 +123,7 @@ def test_5_fds_in_flight_are_bounded_per_connection(tmp_path, sidecar, pleds):
     Kernel 6.18 here does not count memfds, so what this test can show is pled's own bound: an attacker
     receives at most MAX_FDS_PER_CONNECTION fds and is dropped, named, and others attach meanwhile."""
     try:
-        from pled.connection import MAX_FDS_PER_CONNECTION
+        from pled.session import MAX_FDS_PER_CONNECTION
     except ImportError:  # today's main, which has no such bound
         MAX_FDS_PER_CONNECTION = 16
 
