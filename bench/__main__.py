@@ -24,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench import report, table_gather  # table_gather registers its report section
+from bench import report, soak, table_gather  # soak and table_gather register their report sections
 from pled import staging
 from pled.generator import make_sidecar
 from pled.hugepages import THP
@@ -352,6 +352,7 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=45)
     p.add_argument("--ids", type=int, default=8192)
     p.add_argument("--no-huge-pages", action="store_true", help="do not switch shmem_enabled to advise for the huge-page runs")
+    p.add_argument("--soak-seconds", type=float, default=120.0, help="bench/soak.py's duration (0: skip it)")
     p.add_argument("--workdir", default="/var/tmp")
     p.add_argument("--out", default=str(ROOT / "docs" / "BENCHMARKS.md"))
     p.add_argument("--json", default=str(ROOT / "docs" / "benchmarks.json"))
@@ -408,6 +409,8 @@ def main() -> int:
         for dm in daemons:
             dm.stop()
         res["restart"] = bench_restart(work, d, a.repeats)
+        if a.soak_seconds > 0:
+            res["soak"] = soak.run(work, a.soak_seconds)
         Path(a.json).write_text(json.dumps(res, indent=2) + "\n")
         report.write(res, Path(a.out))
         log(f"wrote {a.out} and {a.json}")

@@ -43,7 +43,7 @@ def _inspect(args) -> int:
 
 
 def _preflight(args) -> int:
-    from .daemon import open_tables, plan_tables, run_preflight
+    from .planning import open_tables, plan_tables, run_preflight
 
     config = config_mod.load(args.config)
     verdict = run_preflight(config, plan_tables(open_tables(config)))
@@ -114,6 +114,8 @@ def _socket_for(args) -> str:
         try:
             path = config_mod.load(args.config).socket
         except PledError:
+            if args.config or os.environ.get(config_mod.ENV_VAR):
+                raise  # a config named on purpose that cannot be read is refused (78), not guessed around
             path = protocol.DEFAULT_SOCKET
     return path
 

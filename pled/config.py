@@ -26,19 +26,29 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
+from .boundary import BoundaryError, check_json_depth_text, clip, read_bounded
 from .errors import ConfigError
 from .protocol import DEFAULT_SOCKET
 from .sizes import parse_size
 
 DEFAULT_PATH = "/etc/pled/pled.toml"
 ENV_VAR = "PLED_CONFIG"
+MAX_CONFIG = 1024 * 1024  # a config is a few dozen lines: a bigger file is not one
+MAX_DEPTH = 8
 
 
 class TableConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-    path: str = Field(min_length=1)
+    path: str = Field(min_length=1, max_length=4096)
+
+    @field_validator("path")
+    @classmethod
+    def _no_nul(cls, value: str) -> str:
+        if "\0" in value:
+            raise ValueError("contains a NUL byte; a path cannot")
+        return value
 
 
 class Config(BaseModel):
@@ -81,7 +91,7 @@ class Config(BaseModel):
     @classmethod
     def _uids(cls, uids: tuple[int, ...]) -> tuple[int, ...]:
         for uid in uids:
-            if uid < 0:
+            if not 0 <= uid < 2**32 - 1:
                 raise ValueError(f"{uid} is not a uid")
         return uids
 
@@ -94,7 +104,7 @@ class Config(BaseModel):
                     grp.getgrnam(g)
                 except KeyError:
                     raise ValueError(f"no group named {g!r} on this host; create it or use a gid") from None
-            elif g < 0:
+            elif not 0 <= g < 2**32 - 1:
                 raise ValueError(f"{g} is not a gid")
         return groups
 
@@ -105,10 +115,12 @@ class Config(BaseModel):
     @field_validator("socket")
     @classmethod
     def _absolute(cls, value: str) -> str:
+        if "\0" in value:
+            raise ValueError("contains a NUL byte; a socket path cannot")
         if not value.startswith("/"):
-            raise ValueError(f"{value!r} must be an absolute path")
+            raise ValueError(f"{clip(value, 80)!r} must be an absolute path")
         if len(value.encode()) > 107:  # sun_path is 108 bytes with its terminating NUL
-            raise ValueError(f"{value!r} is {len(value.encode())} bytes; a Unix socket path may have at most 107")
+            raise ValueError(f"{clip(value, 80)!r} is {len(value.encode())} bytes; a Unix socket path may have at most 107")
         return value
 
     @field_validator("tables")
@@ -156,9 +168,12 @@ def resolve_path(explicit: str | None = None) -> str:
 def parse(text: str, source: str) -> Config:
     """Validate TOML text; table paths are made absolute against the file's directory."""
     try:
+        check_json_depth_text(text, MAX_DEPTH)
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
-        raise ConfigError(source, f"not valid TOML: {err}") from err
+        raise ConfigError(source, f"not valid TOML: {clip(err)}") from err
+    except (BoundaryError, RecursionError, ValueError, OverflowError) as err:  # tomllib's int() and recursion
+        raise ConfigError(source, f"not a config pled accepts: {clip(err) or type(err).__name__}") from err
     if isinstance(data.get("table"), list):
         base = Path(source).resolve().parent
         for entry in data["table"]:
@@ -167,17 +182,21 @@ def parse(text: str, source: str) -> Config:
     try:
         config = Config.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(source, _describe(err)) from err
+        raise ConfigError(source, clip(_describe(err), 2000)) from err
+    except (ValueError, OverflowError, RecursionError) as err:  # a validator's arithmetic on a hostile value
+        raise ConfigError(source, f"a value is out of range ({clip(err)})") from err
     config._source = source
     return config
 
 
 def load(explicit: str | None = None) -> Config:
     path = os.path.abspath(resolve_path(explicit))  # a reload re-reads it from wherever pled runs
+    if not os.path.lexists(path):
+        raise ConfigError(path, f"no such file; write one (see config/pled.toml) or point -c / ${ENV_VAR} at it")
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError as err:
-        raise ConfigError(path, f"no such file; write one (see config/pled.toml) or point -c / ${ENV_VAR} at it") from err
-    except (PermissionError, IsADirectoryError, UnicodeDecodeError) as err:
+        text = read_bounded(path, MAX_CONFIG, "config").decode("utf-8")
+    except BoundaryError as err:
         raise ConfigError(path, f"cannot be read: {err}") from err
+    except UnicodeDecodeError as err:
+        raise ConfigError(path, f"cannot be read: not UTF-8 text ({err.reason} at byte {err.start})") from err
     return parse(text, path)

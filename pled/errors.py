@@ -7,6 +7,8 @@ RestartPreventExitStatus= so that a refusal does not restart-loop.
 """
 from __future__ import annotations
 
+from .boundary import clip
+
 EX_OK = 0
 EX_FAILURE = 1
 EX_NOT_RUNNING = 3  # as systemctl status and LSB init scripts say "not running"
@@ -27,7 +29,7 @@ class ConfigError(PledError):
     exit_status = EX_CONFIG
 
     def __init__(self, path: str, problem: str) -> None:
-        super().__init__(f"{path}: {problem}")
+        super().__init__(f"{clip(path)}: {problem}")
         self.path = path
         self.problem = problem
 
@@ -38,7 +40,7 @@ class SidecarError(PledError):
     exit_status = EX_CONFIG
 
     def __init__(self, path: str, problem: str) -> None:
-        super().__init__(f"{path}: {problem}")
+        super().__init__(f"{clip(path)}: {problem}")
         self.path = path
         self.problem = problem
 

@@ -4,11 +4,13 @@ Each message is one JSON object followed by a NUL byte. A call is
 ``{"method": "io.pled.Attach", "parameters": {...}}``; a reply is
 ``{"parameters": {...}}`` or ``{"error": "io.pled.NoSuchTable", "parameters": {...}}``.
 An Attach reply carries the table's memfd as SCM_RIGHTS ancillary data.
-See docs/protocol.md. Shared by the daemon and its clients: standard library only.
+See docs/protocol.md. Shared by the daemon and its clients: standard library (and boundary.py) only.
 """
 from __future__ import annotations
 
 import json
+
+from .boundary import BoundaryError, load_json
 
 ATTACH = "io.pled.Attach"
 STATUS = "io.pled.Status"
@@ -20,6 +22,7 @@ NOT_READY = "io.pled.NotReady"
 PERMISSION_DENIED = "io.pled.PermissionDenied"
 INVALID_MESSAGE = "io.pled.InvalidMessage"
 RELOAD_FAILED = "io.pled.ReloadFailed"
+INTERNAL_ERROR = "io.pled.InternalError"  # pled failed handling this call; it serves on
 METHOD_NOT_FOUND = "org.varlink.service.MethodNotFound"
 INVALID_PARAMETER = "org.varlink.service.InvalidParameter"
 
@@ -28,6 +31,7 @@ DEFAULT_SOCKET = "/run/pled/pled.sock"  # the config's socket, and a client's wi
 FULLY_RESIDENT = 0.9995
 
 MAX_CALL = 64 * 1024  # a call is a method name and a table name: anything bigger is refused
+MAX_CALL_DEPTH = 8  # {"parameters": {...}} is 2 levels: deeper nesting is refused before parsing
 # The largest reply is Status: every table, and every attached client (at most server.MAX_CONNECTIONS, each a
 # few hundred bytes with its command line), about 2 MB at worst. The manifest travels in the region, not in replies.
 MAX_REPLY = 8 * 1024 * 1024
@@ -84,9 +88,9 @@ class Framer:
 def parse_call(raw: bytes) -> tuple[str, dict]:
     """(method, parameters) of a call; ValueError says what is wrong with it."""
     try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"not JSON: {err}") from err
+        doc = load_json(raw, max_bytes=MAX_CALL, max_depth=MAX_CALL_DEPTH)
+    except BoundaryError as err:
+        raise ValueError(f"the call {err}") from err
     if not isinstance(doc, dict):
         raise ValueError("a call must be a JSON object")
     method = doc.get("method")

@@ -15,6 +15,7 @@ import os
 import struct
 from dataclasses import dataclass
 
+from .boundary import BoundaryError, clip, load_json, open_regular
 from .errors import SidecarError
 
 # Bits per element, as the safetensors format defines its dtypes.
@@ -25,8 +26,11 @@ DTYPE_BITS = {
     "I64": 64, "U64": 64, "F64": 64,
     "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
 }
-# The reference implementation refuses headers over 100 MB; so do we, before reading one.
-MAX_HEADER = 100_000_000
+# The reference implementation refuses headers over 100 MB; pled reads at most 8 MiB, which holds ~100,000
+# tensors (a real checkpoint shard's header is a few hundred KB), and parsing that stays under a second or two.
+MAX_HEADER = 8 * 1024 * 1024
+MAX_TENSORS = 200_000
+HEADER_DEPTH = 4  # the header object, a tensor's object, its shape or offsets list (__metadata__ is flat)
 
 
 @dataclass(frozen=True)
@@ -50,41 +54,64 @@ class SafetensorsHeader:
 
 
 def read_header(path: str) -> SafetensorsHeader:
-    """Parse and validate ``path``'s header; raise SidecarError naming the file."""
+    """Parse and validate ``path``'s header; raise SidecarError naming the file.
+    The file is opened as the regular file it must be (boundary.open_regular) and at most
+    MAX_HEADER bytes of it are read."""
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                raise SidecarError(path, f"truncated: {size} bytes, too short for a safetensors header")
-            (header_len,) = struct.unpack("<Q", prefix)
-            if header_len > MAX_HEADER or header_len > size - 8:
-                raise SidecarError(
-                    path,
-                    f"not a safetensors file, or truncated: its first 8 bytes claim a {header_len}-byte header "
-                    f"but the file has {size} bytes",
-                )
-            raw = f.read(header_len)
-    except FileNotFoundError as err:
-        raise SidecarError(path, "no such file") from err
-    except IsADirectoryError as err:
-        raise SidecarError(path, "is a directory, not a safetensors file") from err
-    except PermissionError as err:
-        raise SidecarError(path, f"cannot be read ({err.strerror}); give pled's user read access") from err
+        fd = open_regular(path)
+    except BoundaryError as err:
+        raise SidecarError(path, f"{err}; a shard must be a regular safetensors file") from err
+    try:
+        size = os.fstat(fd).st_size
+        if size < 8:
+            raise SidecarError(path, f"truncated: {size} bytes, too short for a safetensors header")
+        prefix = os.pread(fd, 8, 0)
+        if len(prefix) < 8:
+            raise SidecarError(path, f"truncated: {size} bytes, too short for a safetensors header")
+        (header_len,) = struct.unpack("<Q", prefix)
+        if header_len > size - 8:
+            raise SidecarError(
+                path,
+                f"not a safetensors file, or truncated: its first 8 bytes claim a {header_len}-byte header "
+                f"but the file has {size} bytes",
+            )
+        if header_len > MAX_HEADER:
+            raise SidecarError(path, f"its header is {header_len} bytes; pled reads headers of at most {MAX_HEADER} bytes "
+                                     "(a shard of a real checkpoint has a few hundred KB): split the file")
+        raw = _pread_all(fd, header_len, 8)
+    except OSError as err:
+        raise SidecarError(path, f"cannot be read ({err.strerror or err}); check the file and the disk") from err
+    finally:
+        os.close(fd)
+    if len(raw) != header_len:
+        raise SidecarError(path, f"truncated while reading its {header_len}-byte header")
     return parse_header(path, size, raw)
+
+
+def _pread_all(fd: int, length: int, offset: int) -> bytes:
+    chunks, done = [], 0
+    while done < length:
+        chunk = os.pread(fd, min(length - done, 1 << 24), offset + done)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        done += len(chunk)
+    return b"".join(chunks)
 
 
 def parse_header(path: str, size: int, raw: bytes) -> SafetensorsHeader:
     header_len = len(raw)
     try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise SidecarError(path, f"not a safetensors file: its header is not JSON ({err})") from err
+        doc = load_json(raw, max_bytes=MAX_HEADER, max_depth=HEADER_DEPTH)
+    except BoundaryError as err:
+        raise SidecarError(path, f"not a safetensors file: its header {err}") from err
     if not isinstance(doc, dict):
         raise SidecarError(path, "not a safetensors file: its header is not a JSON object")
     metadata = doc.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict):
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise SidecarError(path, "__metadata__ must be an object of strings")
+    if len(doc) > MAX_TENSORS:
+        raise SidecarError(path, f"its header lists {len(doc)} tensors; pled accepts at most {MAX_TENSORS} per file")
     data_offset = 8 + header_len
     data_size = size - data_offset
     tensors = []
@@ -96,7 +123,7 @@ def parse_header(path: str, size: int, raw: bytes) -> SafetensorsHeader:
     for t in tensors:
         if t.begin != end:
             what = "overlaps the tensor before it" if t.begin < end else f"leaves a {t.begin - end}-byte hole before it"
-            raise SidecarError(path, f"tensor {t.name!r} {what}; the header does not describe this file")
+            raise SidecarError(path, f"tensor {clip(t.name, 80)!r} {what}; the header does not describe this file")
         end = t.begin + t.nbytes
     if end != size:
         raise SidecarError(
@@ -117,22 +144,22 @@ def parse_header(path: str, size: int, raw: bytes) -> SafetensorsHeader:
 
 def _tensor(path: str, name: str, spec: object, data_offset: int, data_size: int) -> TensorInfo:
     def bad(problem: str) -> SidecarError:
-        return SidecarError(path, f"tensor {name!r}: {problem}")
+        return SidecarError(path, f"tensor {clip(name, 80)!r}: {problem}")
 
     if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
         raise bad("needs exactly dtype, shape and data_offsets")
     dtype, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
     if dtype not in DTYPE_BITS:
-        raise bad(f"unknown dtype {dtype!r}")
+        raise bad(f"unknown dtype {clip(dtype, 40)!r}")
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise bad(f"shape {shape!r} is not a list of non-negative integers")
+        raise bad(f"shape {clip(shape, 80)} is not a list of non-negative integers")
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
         or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
         or not 0 <= offsets[0] <= offsets[1]
     ):
-        raise bad(f"data_offsets {offsets!r} is not [begin, end] with 0 <= begin <= end")
+        raise bad(f"data_offsets {clip(offsets, 80)} is not [begin, end] with 0 <= begin <= end")
     bits = math.prod(shape) * DTYPE_BITS[dtype]
     if bits % 8:
         raise bad(f"{dtype}{shape} is not a whole number of bytes")

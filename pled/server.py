@@ -1,39 +1,41 @@
 """The socket clients attach through: non-blocking, single-threaded, hard to upset.
 
-Every connection is checked with SO_PEERCRED when it is accepted. Calls are
-bounded in size; a connection with half a message older than CALL_TIMEOUT, or
-with replies it has not read for as long, is dropped. Nothing a peer sends can
-stop, block or crash the daemon, and every socket has one owner that closes it.
-A client stays connected while it holds a table: that is how pled knows who is
-attached, and logs the detach when the connection goes.
+Every connection is checked with SO_PEERCRED when it is accepted. Calls are bounded in size and nesting
+(boundary.load_json); a connection with half a message older than CALL_TIMEOUT, or with a reply it has not
+read for as long, is dropped, and so is one past its bound on unread replies or on fds in flight
+(session.py). Connections are capped below the open-file limit: at the cap an idle connection (no table,
+no call) makes room for a new one, and while accept() fails for want of fds the listener rests instead of
+spinning. Anything that goes wrong handling one connection, a bug included, ends in that connection's error
+reply or its drop, logged; it never reaches the loop. A client stays connected while it holds a table: that
+is how pled knows who is attached, and logs the detach when the connection goes.
 """
 from __future__ import annotations
 
 import errno
 import logging
-import os
 import selectors
 import socket
 import stat
+import os
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
-from . import protocol
-from .access import Peer, Policy, peer_of
-from .errors import EX_CONFIG, PledError
+from . import fdlimit, protocol
+from .access import Policy, peer_of
+from .boundary import clip
+from .session import CALL_TIMEOUT, MAX_FDS_PER_CONNECTION, MAX_UNREAD, MAX_UNREAD_PER_UID, Connection
+from .listener import SocketInUse, bind
+from .throttle import Throttle
+
+__all__ = ["CALL_TIMEOUT", "Connection", "PENDING", "Reply", "Server", "SocketInUse"]
 
 log = logging.getLogger(__name__)
 
-CALL_TIMEOUT = 5.0  # seconds a half-sent call, or an unread reply, may wait
-MAX_CONNECTIONS = 4096
-MAX_HELD = 64  # calls a client may send behind one that waits
+MAX_CONNECTIONS = fdlimit.CONNECTIONS_CAP
+ACCEPT_PAUSE = 0.5  # seconds the listener rests after accept() found no fd free
+MAX_HELD = 64  # calls a client may send behind one still waiting for its answer
 PENDING = object()  # a handler's answer when the reply comes later (Attach with wait)
-
-
-class SocketInUse(PledError):
-    exit_status = EX_CONFIG
 
 
 @dataclass
@@ -43,83 +45,23 @@ class Reply:
     close_after: bool = False
 
 
-@dataclass(eq=False)
-class Connection:
-    sock: socket.socket
-    peer: Peer
-    allowed: bool
-    since: float = field(default_factory=time.monotonic)
-    framer: protocol.Framer = field(default_factory=lambda: protocol.Framer(protocol.MAX_CALL))
-    out: deque = field(default_factory=deque)  # [bytearray, fds] chunks not yet sent
-    stalled_since: float | None = None  # when a partial call or an unsent reply began to wait
-    closing: bool = False
-    attached: dict = field(default_factory=dict)  # table -> generation
-    # Replies go out in call order: while a call waits (Attach with wait, Reload) later calls are held here.
-    waiting: bool = False
-    held: deque = field(default_factory=deque)
-
-    @property
-    def fd(self) -> int:
-        return self.sock.fileno()
-
-
 Handler = Callable[[Connection, str, dict], "Reply | object"]
 
 
-def bind(path: str) -> socket.socket:
-    """Listen at ``path``: parent created 0750, socket 0660, a stale socket replaced, a live one refused."""
-    parent = os.path.dirname(path)
-    if not os.path.isdir(parent):
-        try:
-            os.makedirs(parent, exist_ok=True)
-            os.chmod(parent, 0o750)
-        except OSError as err:
-            raise PledError(f"cannot create the socket's directory {parent}: {err.strerror}; create it, or set "
-                            "socket in the config to a path under a writable directory (pled.service uses /run/pled)") from err
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        st = None
-    if st is not None:
-        if not stat.S_ISSOCK(st.st_mode):
-            raise SocketInUse(f"{path} exists and is not a socket; remove it or set another socket in the config")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        try:
-            probe.settimeout(1.0)
-            probe.connect(path)
-        except (ConnectionRefusedError, FileNotFoundError):
-            log.info("removing stale socket %s left by a daemon that is gone", path)
-            os.unlink(path)
-        except OSError as err:
-            raise SocketInUse(f"{path} exists and cannot be probed ({err}); remove it if no pled is running") from err
-        else:
-            who = peer_of(probe)
-            raise SocketInUse(f"another pled is serving at {path} (pid {who.pid}); stop it first or set another socket")
-        finally:
-            probe.close()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
-    old = os.umask(0o117)  # 0660 from the start: no window in which anyone else could connect
-    try:
-        sock.bind(path)
-    except OSError as err:
-        sock.close()
-        hint = "free space (or inodes) there" if err.errno in (errno.ENOSPC, errno.EDQUOT) else "check the directory's permissions"
-        raise PledError(f"cannot create socket {path}: {err.strerror or err}; {hint}, or set socket elsewhere in the config") from err
-    finally:
-        os.umask(old)
-    sock.listen(socket.SOMAXCONN)
-    return sock
-
-
 class Server:
-    def __init__(self, path: str, policy: Policy, handler: Handler, on_close: Callable[[Connection], None]) -> None:
+    def __init__(self, path: str, policy: Policy, handler: Handler, on_close: Callable[[Connection], None], *,
+                 max_connections: int = MAX_CONNECTIONS, max_fds_per_uid: int = 256) -> None:
         self.path = path
         self.policy = policy
         self.handler = handler
         self.on_close = on_close
+        self.max_connections = max_connections
+        self.max_fds_per_uid = max_fds_per_uid
         self.listener = bind(path)
         self.connections: dict[int, Connection] = {}
         self._sel: selectors.BaseSelector | None = None
+        self._paused_until: float | None = None  # the listener rests while no fd is free
+        self._throttle = Throttle()
 
     def register(self, sel: selectors.BaseSelector) -> None:
         self._sel = sel
@@ -130,7 +72,8 @@ class Server:
         if self._sel is not None:
             for conn in self.connections.values():
                 self._sel.unregister(conn.sock)
-            self._sel.unregister(self.listener)
+            if self._paused_until is None:
+                self._sel.unregister(self.listener)
             self._sel = None
 
     def close(self) -> None:
@@ -144,7 +87,7 @@ class Server:
         except FileNotFoundError:
             pass
 
-    # -- events ------------------------------------------------------------------------------
+    # -- accepting ---------------------------------------------------------------------------
 
     def _accept(self, _mask: int) -> None:
         for _ in range(64):  # a burst of clients: take several, then let the loop breathe
@@ -154,12 +97,14 @@ class Server:
                 return
             except OSError as err:
                 if err.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    log.warning("cannot accept a client: %s", err.strerror)
+                    self._pause(err)
                     return
-                raise
+                self._throttle.log("accept", log.warning, "accept() failed: %s", err)
+                return
             sock.setblocking(False)
-            if len(self.connections) >= MAX_CONNECTIONS:
-                log.warning("refusing a client: %d connections open already", len(self.connections))
+            if len(self.connections) >= self.max_connections and not self._make_room():
+                self._throttle.log("full", log.warning, "refusing clients: %d connections open, all attached or busy "
+                                   "(the cap is %d, from the open-file limit)", len(self.connections), self.max_connections)
                 sock.close()
                 continue
             try:
@@ -172,11 +117,48 @@ class Server:
             self._sel.register(sock, selectors.EVENT_READ, lambda mask, c=conn: self._ready(c, mask))
             log.debug("client connected: %s", peer.describe())
 
+    def _make_room(self) -> bool:
+        """At the cap: close the connection idle longest that holds no table and waits for nothing."""
+        idle = [c for c in self.connections.values() if c.idle]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda c: c.last_active)
+        self._throttle.log("evict", log.warning, "at the cap of %d connections: closing idle connections (no table, no "
+                           "call) to admit new clients, first %s", self.max_connections, victim.peer.describe())
+        self._drop(victim, None)
+        return True
+
+    def _pause(self, err: OSError) -> None:
+        """No fd for a new client: stop watching the listener for a moment instead of spinning on it."""
+        if self._paused_until is None and self._sel is not None:
+            self._sel.unregister(self.listener)
+        self._paused_until = time.monotonic() + ACCEPT_PAUSE
+        self._throttle.log("pause", log.warning, "cannot accept clients: %s with %d connections open; accepting "
+                           "again once an fd is free (raise LimitNOFILE= if this persists)", err.strerror,
+                           len(self.connections))
+
+    def _resume(self) -> None:
+        if self._paused_until is not None and self._sel is not None:
+            self._paused_until = None
+            self._sel.register(self.listener, selectors.EVENT_READ, self._accept)
+
+    # -- reading and dispatching -------------------------------------------------------------
+
     def _ready(self, conn: Connection, mask: int) -> None:
-        if mask & selectors.EVENT_WRITE:
-            self._flush(conn)
-        if mask & selectors.EVENT_READ and conn.fd in self.connections and not conn.closing:
-            self._read(conn)
+        try:
+            if mask & selectors.EVENT_WRITE:
+                self._flush(conn)
+            if mask & selectors.EVENT_READ and self._live(conn):
+                self._read(conn)
+            else:
+                self._pump(conn)  # the reply went: the calls that waited behind it
+        except Exception as err:  # a bug handling one connection ends that connection, never the loop
+            self._throttle.log(("bug", type(err).__name__), log.exception, "dropping %s: handling it failed: %s",
+                               conn.peer.describe(), clip(err))
+            self._drop(conn, None)
+
+    def _live(self, conn: Connection) -> bool:
+        return self.connections.get(conn.fd) is conn and not conn.closing
 
     def _read(self, conn: Connection) -> None:
         try:
@@ -194,19 +176,39 @@ class Server:
         except protocol.MessageTooLong as err:
             self._fail(conn, protocol.INVALID_MESSAGE, str(err))
             return
-        conn.stalled_since = time.monotonic() if conn.framer.pending else None
-        for raw in messages:
-            if conn.closing:
-                return
-            self._dispatch(conn, raw)
+        conn.inbox.extend(messages)
+        if conn.pending and len(conn.inbox) > MAX_HELD:  # (no reply to read holds this peer back: bound it here)
+            self._fail(conn, protocol.INVALID_MESSAGE, f"over {MAX_HELD} calls sent behind one still waiting")
+            return
+        if not conn.framer.pending:
+            conn.stalled_since = None
+        elif messages or conn.stalled_since is None:  # a new call began: its own CALL_TIMEOUT
+            conn.stalled_since = time.monotonic()
+        self._pump(conn)
+
+    def resume(self, conn: Connection) -> None:
+        """A waiting call was answered: handle the calls received behind it (replies keep call order)."""
+        self._ready(conn, 0)
+
+    def _pump(self, conn: Connection) -> None:
+        """Handle received calls while no reply waits to be read and no call waits for its answer (replies go
+        out in call order: docs/protocol.md); then watch for what comes next."""
+        while conn.inbox and not conn.out and not conn.pending and self._live(conn):
+            conn.last_active = time.monotonic()
+            self._dispatch(conn, conn.inbox.popleft())
+        self._watch(conn)
+
+    def _watch(self, conn: Connection) -> None:
+        """Write while a reply waits; read only when none does: a peer that does not read its replies gets
+        no more of them, and its calls wait in its own socket buffer."""
+        if self._sel is None or self.connections.get(conn.fd) is not conn:
+            return
+        want = selectors.EVENT_WRITE if conn.out else selectors.EVENT_READ
+        key = self._sel.get_key(conn.sock)
+        if key.events != want:
+            self._sel.modify(conn.sock, want, key.data)
 
     def _dispatch(self, conn: Connection, raw: bytes) -> None:
-        if conn.waiting:  # answered after the call that waits, in order
-            if len(conn.held) >= MAX_HELD:
-                self._fail(conn, protocol.INVALID_MESSAGE, f"over {MAX_HELD} calls sent behind one still waiting")
-            else:
-                conn.held.append(raw)
-            return
         if not conn.allowed:
             log.warning("refused %s: not root, not pled's user, not in allow_uids or allow_groups", conn.peer.describe())
             self.send(conn, Reply(protocol.error(protocol.PERMISSION_DENIED, uid=conn.peer.uid), close_after=True))
@@ -216,29 +218,59 @@ class Server:
         except ValueError as err:
             self._fail(conn, protocol.INVALID_MESSAGE, str(err))
             return
-        result = self.handler(conn, method, parameters)
-        if result is PENDING:
-            conn.waiting = True
-        else:
+        try:
+            result = self.handler(conn, method, parameters)
+        except Exception as err:  # a bug in a handler is this call's error, not the daemon's end
+            self._throttle.log(("handler", clip(method, 64), type(err).__name__), log.exception,
+                               "%s from %s failed: %s", clip(method, 64), conn.peer.describe(), clip(err))
+            result = Reply(protocol.error(protocol.INTERNAL_ERROR, method=clip(method, 64),
+                                          reason=f"{type(err).__name__}: {clip(err)}"))
+        if result is not PENDING:
             self.send(conn, result)
 
     def _fail(self, conn: Connection, name: str, reason: str) -> None:
-        log.warning("dropping %s: %s", conn.peer.describe(), reason)
-        self.send(conn, Reply(protocol.error(name, reason=reason), close_after=True))
+        self._throttle.log(("fail", conn.peer.uid), log.warning, "dropping %s: %s", conn.peer.describe(), clip(reason))
+        self.send(conn, Reply(protocol.error(name, reason=clip(reason)), close_after=True))
 
     # -- replies -----------------------------------------------------------------------------
 
     def send(self, conn: Connection, reply: Reply) -> None:
-        """Queue ``reply``; while ``conn`` waits, it is the answer to the waiting call, and the calls held
-        behind that one are dispatched next."""
-        if self._sel is None or conn.fd not in self.connections or conn.closing:
+        if self._sel is None or conn.fd not in self.connections or self.connections[conn.fd] is not conn or conn.closing:
             return  # shutting down, or the peer is gone
-        conn.out.append([bytearray(protocol.encode(reply.message)), reply.fds])
-        conn.closing = conn.closing or reply.close_after
-        was_waiting, conn.waiting = conn.waiting, False
-        self._flush(conn)
-        while was_waiting and conn.held and not conn.waiting and not conn.closing and conn.fd in self.connections:
-            self._dispatch(conn, conn.held.popleft())
+        try:
+            if reply.fds and not self._room_for_fds(conn, len(reply.fds)):
+                return
+            data = protocol.encode(reply.message)
+            if conn.out_bytes + len(data) > MAX_UNREAD or self._unread_of(conn.peer.uid) + len(data) > MAX_UNREAD_PER_UID:
+                self._drop(conn, f"{conn.out_bytes + len(data)} bytes of replies it does not read")
+                return
+            conn.queue(data, reply.fds)
+            conn.closing = reply.close_after
+            self._flush(conn)
+        except Exception as err:
+            self._throttle.log(("send", type(err).__name__), log.exception, "dropping %s: sending a reply failed: %s",
+                               conn.peer.describe(), clip(err))
+            self._drop(conn, None)
+
+    def _unread_of(self, uid: int) -> int:
+        return sum(c.out_bytes for c in self.connections.values() if c.peer.uid == uid)
+
+    def _room_for_fds(self, conn: Connection, n: int) -> bool:
+        """Bound the region fds sent and not yet received, per connection and per peer uid; past a bound the
+        greediest connection goes, named, and the others are unaffected."""
+        mine = conn.fds_in_flight()
+        if mine + n > MAX_FDS_PER_CONNECTION:
+            self._drop(conn, f"{mine} table fds sent to it are unread (at most {MAX_FDS_PER_CONNECTION} per connection)")
+            return False
+        same = [c for c in self.connections.values() if c.peer.uid == conn.peer.uid and (c.fds_sent or c.out or c is conn)]
+        while sum(c.fds_in_flight() for c in same) + n > self.max_fds_per_uid:
+            greedy = max(same, key=lambda c: c.fds_in_flight())
+            self._drop(greedy, f"uid {conn.peer.uid} has {self.max_fds_per_uid} table fds unread over its connections; "
+                               f"this one holds {greedy.fds_in_flight()}")
+            same.remove(greedy)
+            if greedy is conn:
+                return False
+        return True
 
     def _flush(self, conn: Connection) -> None:
         while conn.out:
@@ -250,38 +282,56 @@ class Server:
                     sent = conn.sock.send(chunk)
             except (BlockingIOError, InterruptedError):
                 break
-            except OSError:  # the peer went away mid-reply
-                self._drop(conn, None)
+            except OSError as err:
+                if err.errno == errno.ETOOMANYREFS:
+                    self._too_many_refs(conn)
+                else:  # the peer went away mid-reply
+                    self._drop(conn, None)
                 return
-            del chunk[:sent]
-            conn.out[0][1] = ()  # the fds went with the first byte
-            if not chunk:
-                conn.out.popleft()
+            conn.sent(sent, len(fds))
         if conn.out:
             conn.stalled_since = conn.stalled_since or time.monotonic()
-            self._sel.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, self._sel.get_key(conn.sock).data)
-            return
-        conn.stalled_since = time.monotonic() if conn.framer.pending else None
-        if conn.closing:
-            self._drop(conn, None)
-            return
-        key = self._sel.get_key(conn.sock)
-        if key.events != selectors.EVENT_READ:
-            self._sel.modify(conn.sock, selectors.EVENT_READ, key.data)
+        else:
+            conn.stalled_since = time.monotonic() if conn.framer.pending else None
+            if conn.closing:
+                self._drop(conn, None)
+                return
+        self._watch(conn)
+
+    def _too_many_refs(self, conn: Connection) -> None:
+        """The kernel refuses more fds in flight for pled's user: the connection holding most of them goes."""
+        holders = [c for c in self.connections.values() if c is not conn]
+        greedy = max(holders, key=lambda c: c.fds_in_flight(), default=None)
+        if greedy is None or greedy.fds_in_flight() == 0:
+            greedy = conn
+        self._drop(greedy, f"the kernel refuses to send more table fds (ETOOMANYREFS); this connection holds "
+                           f"{greedy.fds_in_flight()} unread")
+        if greedy is not conn and self._live(conn):
+            self._watch(conn)  # try again when writable
 
     def _drop(self, conn: Connection, why: str | None) -> None:
-        if self.connections.pop(conn.fd, None) is None:
+        if self.connections.get(conn.fd) is not conn:
             return
+        del self.connections[conn.fd]
         if why:
-            log.warning("dropping %s: %s", conn.peer.describe(), why)
+            self._throttle.log(("drop", conn.peer.pid), log.warning, "dropping %s: %s", conn.peer.describe(), why)
         if self._sel is not None:
             self._sel.unregister(conn.sock)
         conn.sock.close()
-        self.on_close(conn)
+        conn.closing = True
+        self._resume()  # an fd is free again
+        try:
+            self.on_close(conn)
+        except Exception as err:
+            self._throttle.log(("on_close", type(err).__name__), log.exception, "cleaning up after %s failed: %s",
+                               conn.peer.describe(), clip(err))
 
     def expire(self, now: float | None = None) -> None:
-        """Drop connections stuck with half a call or an unread reply for longer than CALL_TIMEOUT."""
+        """Drop connections stuck with half a call or an unread reply for longer than CALL_TIMEOUT; let the
+        listener accept again once its pause is over."""
         now = time.monotonic() if now is None else now
+        if self._paused_until is not None and now >= self._paused_until:
+            self._resume()
         for conn in list(self.connections.values()):
             if conn.stalled_since is not None and now - conn.stalled_since > CALL_TIMEOUT:
                 what = "an unread reply" if conn.out else "half a message"

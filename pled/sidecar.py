@@ -8,12 +8,12 @@ bytes a table needs are the sum of its files, never an estimate.
 from __future__ import annotations
 
 import glob
-import json
 import os
 import re
 from dataclasses import dataclass, field
 
 from . import layouts
+from .boundary import BoundaryError, clip, load_json, read_bounded
 from .digests import HEX_LENGTH
 from .errors import SidecarError
 from .safetensors_file import SafetensorsHeader, read_header
@@ -21,6 +21,8 @@ from .safetensors_file import SafetensorsHeader, read_header
 _NUMBERED = re.compile(r"^(?P<prefix>.*?)(?P<n>\d+)\.safetensors$")
 _OF = re.compile(r"^(?P<prefix>.*?)-(?P<n>\d+)-of-(?P<total>\d+)\.safetensors$")
 META = "META.json"
+MAX_META = 4 * 1024 * 1024  # META.json: a few keys and a digest per shard
+MAX_SUMS = 4 * 1024 * 1024  # B3SUMS, SHA256SUMS: a line per shard
 
 
 @dataclass(frozen=True)
@@ -80,8 +82,13 @@ def natural_key(name: str) -> list:
 
 def find_files(source: str) -> list[str]:
     """The .safetensors files a table path names, in numeric order."""
+    if "\0" in source:
+        raise SidecarError(source, "the table's path contains a NUL byte")
     if os.path.isdir(source):
-        names = [n for n in os.listdir(source) if n.endswith(".safetensors")]
+        try:
+            names = [n for n in os.listdir(source) if n.endswith(".safetensors")]
+        except OSError as err:
+            raise SidecarError(source, f"cannot list the directory ({err.strerror or err}); give pled's user access") from err
         if not names:
             raise SidecarError(source, "directory holds no .safetensors files; point the table at a sidecar directory or a glob")
         files = [os.path.join(source, n) for n in names]
@@ -160,7 +167,10 @@ def open_table(source: str) -> Sidecar:
         _check_alike(headers)  # shards of one unknown layout must at least agree with each other
     shards = []
     for i, h in enumerate(headers):
-        st = os.stat(h.path)
+        try:
+            st = os.stat(h.path)
+        except OSError as err:
+            raise SidecarError(h.path, f"vanished while being read ({err.strerror or err})") from err
         shards.append(
             Shard(index=i, path=os.path.realpath(h.path), header=h, mtime_ns=st.st_mtime_ns, dev=st.st_dev, ino=st.st_ino,
                   rows=rows_per_shard[i] if rows_per_shard else 0)
@@ -214,12 +224,11 @@ def _check_alike(headers: list[SafetensorsHeader]) -> None:
 
 def _read_meta(path: str, sidecar: Sidecar) -> dict:
     """META.json is optional; where present, what it says must match the shards."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            meta = json.load(f)
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         return {}
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+    try:
+        meta = load_json(read_bounded(path, MAX_META, "META.json"), max_bytes=MAX_META)
+    except BoundaryError as err:
         raise SidecarError(path, f"cannot be read as JSON ({err}); fix or remove it") from err
     if not isinstance(meta, dict):
         raise SidecarError(path, "is not a JSON object")
@@ -231,7 +240,7 @@ def _read_meta(path: str, sidecar: Sidecar) -> dict:
     }
     for key, actual in checks.items():
         if key in meta and meta[key] != actual:
-            raise SidecarError(path, f"says {key} = {meta[key]!r} but the shards give {actual!r}")
+            raise SidecarError(path, f"says {key} = {clip(repr(meta[key]), 80)} but the shards give {actual!r}")
     return meta
 
 
@@ -252,17 +261,18 @@ def _read_digests(directory: str, meta: dict, names: set[str]) -> dict:
         for name, value in listed.items():
             algo, _, hexdigest = str(value).partition(":")
             if not _is_hex(algo, hexdigest):
-                raise SidecarError(where, f"digest of {name} is {value!r}; expected one of {_FORMS}")
+                raise SidecarError(where, f"digest of {clip(name, 80)} is {clip(value, 80)!r}; expected one of {_FORMS}")
             found[name] = (algo, hexdigest, where)
     for sums, algo in _SUMS.items():
         path = os.path.join(directory, sums)
-        try:
-            with open(path, encoding="utf-8") as f:
-                lines = f.read().splitlines()
-        except FileNotFoundError:
+        if not os.path.lexists(path):
             continue
-        except (OSError, UnicodeDecodeError) as err:
-            raise SidecarError(path, f"cannot be read ({err})") from err
+        try:
+            lines = read_bounded(path, MAX_SUMS, sums).decode("utf-8").splitlines()
+        except BoundaryError as err:
+            raise SidecarError(path, f"{err}; fix or remove it") from err
+        except UnicodeDecodeError as err:
+            raise SidecarError(path, f"is not UTF-8 text ({err.reason}); fix or remove it") from err
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
@@ -273,7 +283,7 @@ def _read_digests(directory: str, meta: dict, names: set[str]) -> dict:
             found.setdefault(name, (algo, hexdigest, path))
     unknown = sorted(set(found) - names)
     if unknown:
-        raise SidecarError(found[unknown[0]][2], f"lists a digest for {unknown[0]}, which is not a shard of this table")
+        raise SidecarError(found[unknown[0]][2], f"lists a digest for {clip(unknown[0], 80)}, which is not a shard of this table")
     return found
 
 

@@ -10,7 +10,8 @@ _UNITS = {
     "g": 1024**3, "gib": 1024**3, "gb": 1000**3,
     "t": 1024**4, "tib": 1024**4, "tb": 1000**4,
 }
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE = re.compile(r"^\s*(\d{1,20}(?:\.\d{1,20})?)\s*([a-zA-Z]*)\s*$")
+MAX_SIZE = 2**63 - 1  # what an off_t holds: no size pled is given may exceed it
 
 def parse_size(value: int | str) -> int:
     """Bytes from an int or a string such as "512MiB", "1.5 GiB", "4G" (G = GiB)."""
@@ -19,11 +20,17 @@ def parse_size(value: int | str) -> int:
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"a size cannot be negative, got {value}")
+        if value > MAX_SIZE:
+            raise ValueError(f"a size of {len(str(value))} digits is out of range; at most {MAX_SIZE} bytes")
         return value
-    match = _SIZE.match(value)
+    match = _SIZE.match(value) if len(value) <= 64 else None
     if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"{value!r} is not a size: use bytes or a string like \"512MiB\" or \"1GiB\"")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+        shown = value if len(value) <= 40 else value[:40] + "..."
+        raise ValueError(f"{shown!r} is not a size: use bytes or a string like \"512MiB\" or \"1GiB\"")
+    n = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if not n <= MAX_SIZE:
+        raise ValueError(f"{value!r} is out of range; at most {MAX_SIZE} bytes")
+    return int(n)
 
 
 def gib(n: int | float) -> str:

@@ -13,6 +13,7 @@ import hashlib
 import logging
 import mmap
 import os
+import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -115,7 +116,7 @@ class Pacer:
 
 def _copy_shard(shard: Shard, offset: int, fd: int, view: memoryview | None, pacer: Pacer, table: str) -> None:
     try:
-        src = os.open(shard.path, os.O_RDONLY | os.O_CLOEXEC)
+        src = os.open(shard.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)  # a FIFO never blocks
     except OSError as err:
         raise StagingError(table, f"cannot open {shard.path} ({err.strerror})") from err
     try:
@@ -154,6 +155,8 @@ def _copy_shard(shard: Shard, offset: int, fd: int, view: memoryview | None, pac
 
 def _check_unchanged(src: int, shard: Shard, table: str) -> None:
     st = os.fstat(src)
+    if not stat.S_ISREG(st.st_mode):
+        raise StagingError(table, f"{shard.path} is no longer a regular file; nothing of it is served")
     if st.st_size != shard.size or st.st_mtime_ns != shard.mtime_ns:
         what = f"size {st.st_size}, was {shard.size}" if st.st_size != shard.size else "modified"
         raise StagingError(

@@ -172,7 +172,7 @@ def test_a_full_socket_directory_is_a_clear_error(tmp_path, sidecar):
     full.mkdir()
     cfg = write_config(tmp_path / "pled.toml", {"t": d}, headroom_margin=0, socket=str(full / "pled.sock"))
     # A tmpfs with one inode, in a private mount namespace: full as soon as it exists.
-    script = f'mount -t tmpfs -o size=64k,nr_inodes=1 pled-full "{full}" && exec "$0" -m pled serve -c "{cfg}"'
+    script = f'mount -t tmpfs -o size=64k,nr_inodes=1,mode=0750 pled-full "{full}" && exec "$0" -m pled serve -c "{cfg}"'
     r = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, sys.executable],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 1

@@ -1,0 +1,206 @@
+"""Where untrusted bytes enter pled: socket messages, safetensors headers, META.json, digest lists, the config.
+
+Everything a peer or a file hands pled passes through here first, with stated bounds:
+
+- ``open_regular`` opens a path as the regular file it must be: ``stat`` first (so a FIFO, socket or
+  device is never even opened), then ``O_NONBLOCK`` and ``fstat`` again (so a file swapped for a FIFO in
+  between cannot block), and /proc or /sys files are refused outright. A symlink loop, a missing file or a
+  permission problem becomes one ``OSError``-free refusal naming the file.
+- ``read_bounded`` reads at most a stated number of bytes, and refuses a file that is larger.
+- ``load_json`` parses JSON no deeper than ``max_depth``, with integers of at most ``MAX_INT_DIGITS``
+  digits, no NaN or Infinity, and no key twice in one object. Python's ``json`` has no depth limit of its
+  own (it recurses until RecursionError) and turns any digit string into an int, so the depth is measured
+  before parsing, and integers are checked by the hook that would build them.
+- ``clip`` shortens what a peer or file said before it goes into a log line or an error.
+
+Every refusal is a ``BoundaryError`` (a ``ValueError``), which the caller turns into its own error type
+naming the object: ``SidecarError`` for a shard, ``ConfigError`` for the config, an InvalidMessage reply for
+a peer.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+
+MAX_INT_DIGITS = 20  # 2**64 - 1 has 20 digits: no size, offset or shape pled accepts needs more
+MAX_DEPTH = 16  # a call nests 2 levels, a header 3, META.json a few
+MAX_CLIP = 200  # characters of a peer's or file's text quoted back in a log line or an error
+
+_STRINGS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(set(range(256)) - set(b"[]{}"))
+
+
+class BoundaryError(ValueError):
+    """Input refused at the boundary; the message says what is wrong, without naming the file."""
+
+
+def clip(text: object, limit: int = MAX_CLIP) -> str:
+    """``text`` as it may go into one log line: at most ``limit`` characters, no newlines."""
+    s = str(text).replace("\n", "\\n").replace("\r", "\\r")
+    return s if len(s) <= limit else f"{s[:limit]}... ({len(s)} characters)"
+
+
+# -- files ---------------------------------------------------------------------------------------
+
+_SPECIAL_ROOTS = ("/proc", "/sys")
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a Unix socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _special_devs() -> set[int]:
+    devs = set()
+    for root in _SPECIAL_ROOTS:
+        try:
+            devs.add(os.stat(root).st_dev)
+        except OSError:
+            pass
+    return devs
+
+
+def check_regular(st: os.stat_result) -> None:
+    """Refuse anything but a regular file on a real file system."""
+    if not stat.S_ISREG(st.st_mode):
+        raise BoundaryError(f"is {_kind(st.st_mode)}, not a regular file")
+    if st.st_dev in _special_devs():
+        raise BoundaryError("is a /proc or /sys file, not a file on disk")
+
+
+def describe_os_error(err: OSError) -> str:
+    return {
+        "ELOOP": "is a symlink loop (too many levels of symbolic links)",
+        "ENOENT": "no such file",
+        "EACCES": "cannot be read (permission denied); give pled's user read access",
+        "EPERM": "cannot be read (operation not permitted); give pled's user read access",
+        "ENXIO": "is a Unix socket or a device without a reader, not a regular file",
+        "ENOTDIR": "a component of its path is not a directory",
+        "ENAMETOOLONG": "its path is too long",
+        "EISDIR": "is a directory, not a regular file",
+    }.get(_errno_name(err), f"cannot be opened ({err.strerror or err})")
+
+
+def _errno_name(err: OSError) -> str:
+    import errno
+
+    return errno.errorcode.get(err.errno or 0, "")
+
+
+def open_regular(path: str) -> int:
+    """An fd (O_RDONLY, O_CLOEXEC) of the regular file at ``path``; BoundaryError says why not.
+    The caller closes it. Never blocks: FIFOs, sockets and devices are refused before or without waiting."""
+    if "\0" in path:
+        raise BoundaryError("its path contains a NUL byte")
+    try:
+        check_regular(os.stat(path))  # never open a device or a FIFO at all: opening some has effects
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError as err:
+        raise BoundaryError(describe_os_error(err)) from err
+    try:
+        check_regular(os.fstat(fd))  # swapped between the stat and the open
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_bounded(path: str, limit: int, what: str = "file") -> bytes:
+    """The whole of a small regular file, refused if it holds more than ``limit`` bytes."""
+    fd = open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise BoundaryError(f"is {size} bytes; a {what} may have at most {limit}")
+        chunks, total = [], 0
+        while True:
+            try:
+                chunk = os.read(fd, min(1 << 20, limit + 1 - total))
+            except OSError as err:
+                raise BoundaryError(f"cannot be read ({err.strerror or err})") from err
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > limit:
+                raise BoundaryError(f"holds more than {limit} bytes; a {what} may have at most {limit}")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+# -- JSON ----------------------------------------------------------------------------------------
+
+def depth(raw: bytes) -> int:
+    """How deep arrays and objects nest in JSON text (strings skipped), without recursing."""
+    brackets = _STRINGS.sub(b'""', raw).translate(None, _NOT_BRACKETS)
+    deepest = level = 0
+    for b in brackets:
+        if b in b"[{":
+            level += 1
+            if level > deepest:
+                deepest = level
+        else:
+            level -= 1
+    return deepest
+
+
+def _int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise BoundaryError(f"holds an integer of {len(text.lstrip('-'))} digits; at most {MAX_INT_DIGITS} are accepted")
+    return int(text)
+
+
+def _float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise BoundaryError(f"holds a number out of range ({clip(text, 40)})")
+    return value
+
+
+def _constant(text: str):
+    raise BoundaryError(f"holds {text}, which is not JSON")
+
+
+def _pairs(pairs: list) -> dict:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise BoundaryError(f"names key {clip(key, 80)!r} twice in one object")
+            seen.add(key)
+    return out
+
+
+def load_json(raw: bytes | str, *, max_bytes: int, max_depth: int = MAX_DEPTH):
+    """Parse JSON text within bounds: size, nesting depth, integer digits, no NaN, no repeated keys."""
+    data = raw.encode() if isinstance(raw, str) else bytes(raw)
+    if len(data) > max_bytes:
+        raise BoundaryError(f"is {len(data)} bytes of JSON; at most {max_bytes} are accepted")
+    d = depth(data)
+    if d > max_depth:
+        raise BoundaryError(f"nests {d} levels deep; at most {max_depth} are accepted")
+    try:
+        return json.loads(data, parse_int=_int, parse_float=_float, parse_constant=_constant, object_pairs_hook=_pairs)
+    except BoundaryError:
+        raise
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise BoundaryError(f"is not JSON ({clip(err, 120)})") from err
+    except (RecursionError, ValueError, OverflowError, MemoryError) as err:  # belt and braces: the checks above
+        raise BoundaryError(f"cannot be parsed within bounds ({type(err).__name__})") from err
+
+
+def check_json_depth_text(text: str, max_depth: int = MAX_DEPTH) -> None:
+    """For TOML and other bracketed text: refuse nesting deeper than ``max_depth`` (strings not skipped)."""
+    level = deepest = 0
+    for ch in text.translate({ord(c): None for c in set(text) - set("[]{}")}):
+        level += 1 if ch in "[{" else -1
+        deepest = max(deepest, level)
+    if deepest > max_depth:
+        raise BoundaryError(f"nests {deepest} levels deep; at most {max_depth} are accepted")

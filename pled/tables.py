@@ -1,0 +1,122 @@
+"""The tables pled holds: each one's state and generation, and how they are reported (Status, STATUS=)."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+from . import __version__, protocol, region, staging
+from .boundary import clip
+from .pagecache import cached_bytes_fd
+from .region import Region
+from .sidecar import Sidecar
+from .sizes import gib
+
+log = logging.getLogger(__name__)
+
+
+
+@dataclass(eq=False)
+class TableState:
+    name: str
+    sidecar: Sidecar
+    manifest: region.Manifest
+    generation: int = 1
+    state: str = "waiting"  # waiting -> staging -> ready, or failed
+    origin: str = "staged"  # or "adopted" from systemd's fd store
+    shards_done: int = 0
+    bytes_done: int = 0  # bytes copied from the sources by this process
+    region: Region | None = None
+    error: str = ""
+    resident_share: float | None = None  # at the last check
+
+    def progress(self) -> dict:
+        return {
+            "table": self.name, "state": self.state, "shards_done": self.shards_done, "shards": len(self.manifest.shards),
+            "bytes_done": self.bytes_done, "bytes": self.manifest.source_bytes,
+        }
+
+    def measure(self) -> int:
+        """Bytes of the region in memory now (cachestat on the memfd); keeps the share for STATUS=."""
+        resident = cached_bytes_fd(self.region.fd)
+        self.resident_share = resident / self.manifest.region_bytes
+        return resident
+
+    def staged(self, r: Region) -> None:
+        self.region, self.state, self.manifest = r, "ready", r.manifest  # with its digests
+        log.info("%s", staging.describe_ready(r))
+
+    def sources(self) -> str:
+        """Whether the files this generation was staged from are still there as they were."""
+        missing, changed, unreadable = [], [], []
+        for s in self.manifest.shards:
+            name = clip(os.path.basename(s.path), 80)
+            try:
+                st = os.stat(s.path)
+            except FileNotFoundError:
+                missing.append(name)
+                continue
+            except (OSError, ValueError) as err:  # a directory turned into a file, a symlink loop, ...
+                unreadable.append(f"{name} ({getattr(err, 'strerror', None) or err})")
+                continue
+            if (st.st_size, st.st_mtime_ns) != (s.size, s.mtime_ns):
+                changed.append(name)
+        parts = [f"{what}: {', '.join(names)}" for what, names in
+                 (("missing", missing), ("changed", changed), ("unreadable", unreadable)) if names]
+        return "; ".join(parts) or "unchanged"
+
+    def status(self) -> dict:
+        out = {
+            **self.progress(), "origin": self.origin, "layout": self.manifest.layout, "rows": self.manifest.rows,
+            "row_width": self.manifest.row_width, "region_bytes": self.manifest.region_bytes,
+            "generation": self.generation, "fingerprint": self.manifest.fingerprint,
+            "content_digest": self.manifest.content_digest or None, "sources": self.sources(), "error": self.error or None,
+        }
+        r = self.region
+        if r is not None and not r.closed:
+            stats = r.stats
+            out.update(
+                resident_bytes=self.measure(),
+                huge_page_bytes=stats.huge_bytes if stats else None,
+                page_size=("2 MiB" if stats.huge_bytes else "4 KiB") if stats else None,
+                huge_page_policy=stats.fill.policy if stats else None,
+                huge_page_note=stats.fill.note if stats else "",
+                sealed=region.is_sealed(r.fd),
+                staging_seconds=round(stats.seconds, 3) if stats else None,
+            )
+            out["resident_share"] = self.resident_share
+        return out
+
+
+def check_residency(tables: list[TableState]) -> None:
+    for t in tables:
+        if t.region is None:
+            continue
+        t.measure()
+        share = t.resident_share
+        if share < protocol.FULLY_RESIDENT:
+            log.warning("table %s is only %.1f%% resident (%s of %s); its pages were swapped out: set "
+                        "MemorySwapMax=0 for pled.service or turn swap off", t.name, share * 100,
+                        gib(share * t.manifest.region_bytes), gib(t.manifest.region_bytes))
+
+
+def serving_line(tables: list[TableState], clients: int) -> str:
+    """STATUS= while serving: what is held, how much of it is resident, how many clients."""
+    total = sum(t.manifest.region_bytes for t in tables)
+    shares = [t.resident_share for t in tables if t.resident_share is not None]
+    resident = f", {min(shares):.0%} resident" if shares else ""
+    return f"serving {len(tables)} table(s), {gib(total)}{resident}; {clients} client(s)"
+
+
+def status_reply(*, started: float, socket: str, tables: list[TableState], connections, reload: dict | None) -> dict:
+    """The io.pled.Status reply."""
+    clients = [
+        {"pid": c.peer.pid, "uid": c.peer.uid, "command": c.peer.command, "tables": sorted(c.attached),
+         "generations": dict(c.attached), "connected_seconds": round(time.monotonic() - c.since, 1)}
+        for c in connections if c.attached
+    ]
+    return {
+        "version": __version__, "pid": os.getpid(), "uptime_seconds": round(time.monotonic() - started, 1),
+        "socket": socket, "tables": [t.status() for t in tables], "clients": clients, "reload": reload,
+    }

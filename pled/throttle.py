@@ -1,0 +1,31 @@
+"""Log lines that could repeat without end (a flood of clients, a bug hit on every call) at most once a minute."""
+from __future__ import annotations
+
+import logging
+import time
+
+EVERY = 60.0
+
+
+class Throttle:
+    """``log(key, logger.method, fmt, *args)`` writes the line if ``key`` was not logged in the last ``every``
+    seconds; the next line for that key says how many were held back meanwhile."""
+
+    def __init__(self, every: float = EVERY) -> None:
+        self.every = every
+        self._last: dict = {}  # key -> (when logged, lines held back since)
+
+    def log(self, key, emit, fmt: str, *args, **kw) -> bool:
+        now = time.monotonic()
+        when, held = self._last.get(key, (None, 0))
+        if when is not None and now - when < self.every:
+            self._last[key] = (when, held + 1)
+            return False
+        if len(self._last) > 1024:  # keys carry peers' method names: keep the table small
+            self._last.clear()
+        self._last[key] = (now, 0)
+        if held:
+            fmt += " (%d more like it in the last %.0f s)"
+            args = (*args, held, now - when)
+        emit(fmt, *args, **kw)
+        return True

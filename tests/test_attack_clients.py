@@ -1,0 +1,210 @@
+"""Issue 11, what a client can do: each finding's attack against a real daemon, which must go on serving
+(Status answers, a fresh client attaches and reads) with its fds and RSS back where they were."""
+import errno
+import os
+import resource
+import socket
+import threading
+import time
+
+import pytest
+
+from attack import assert_serving, baseline, raw, start
+from pled import protocol
+
+
+@pytest.fixture(autouse=True)
+def many_fds():
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.fixture
+def pleds():
+    started = []
+    yield started
+    for p in started:
+        p.stop()
+
+
+def test_1_a_deeply_nested_call_is_refused_not_fatal(tmp_path, sidecar, pleds):
+    d = sidecar(shards=4, rows=64)
+    pled = start(tmp_path, {"t1": d})
+    pleds.append(pled)
+    before = baseline(pled, "t1")
+    nested = b'{"method":"io.pled.Ping","parameters":{"a":' + b"[" * 5000 + b"]" * 5000 + b"}}\0"
+    for _ in range(3):
+        reply = raw(pled.socket, nested)
+        assert reply["error"] == protocol.INVALID_MESSAGE and "nests" in reply["parameters"]["reason"]
+    assert_serving(pled, "t1", d, before)
+
+
+def test_3_idle_connections_past_the_fd_limit_neither_spin_nor_lock_others_out(tmp_path, sidecar, pleds):
+    d = sidecar(shards=4, rows=64)
+    pled = start(tmp_path, {"t1": d}, nofile=1024)  # systemd's default soft limit, as the hard one here
+    pleds.append(pled)
+    before = baseline(pled, "t1")
+    idle = []
+    for _ in range(1500):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.setblocking(False)
+        try:
+            s.connect(pled.socket)
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError as err:
+            assert err.errno == errno.EAGAIN  # the backlog is full
+            s.close()
+            continue
+        idle.append(s)
+    time.sleep(2)
+    assert_serving(pled, "t1", d)  # a newcomer is let in (an idle connection makes room for it)
+    log = pled.log()
+    assert log.count("cannot accept") + log.count("refusing clients") + log.count("closing idle connections") <= 5, log[-2000:]
+    for s in idle:
+        s.close()
+    assert_serving(pled, "t1", d, before)
+
+
+def test_3_accept_rests_while_no_fd_is_free(tmp_path, sidecar, pleds):
+    """The cap is what keeps pled below its fd limit; with it lifted, accept() hits EMFILE: the listener must
+    rest (not spin, not log a line per try) and take clients again once fds are free."""
+    d = sidecar(shards=4, rows=64)
+    pled = start(tmp_path, {"t1": d}, nofile=256, patch="import pled.fdlimit as f; f.max_connections = lambda n: 4096")
+    pleds.append(pled)
+    before = baseline(pled, "t1")
+    idle = []
+    for _ in range(400):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.setblocking(False)
+        try:
+            s.connect(pled.socket)
+        except OSError:
+            s.close()
+            continue
+        idle.append(s)
+    time.sleep(3)
+    assert pled.log().count("cannot accept clients") == 1, pled.log()[-2000:]  # today's main: a line per try
+    for s in idle:
+        s.close()
+    assert_serving(pled, "t1", d, before)
+
+
+def test_4_a_client_that_calls_and_never_reads_is_dropped(tmp_path, sidecar, pleds):
+    d = sidecar(shards=4, rows=64)
+    pled = start(tmp_path, {"t1": d})
+    pleds.append(pled)
+    before = baseline(pled, "t1")
+    greedy = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    greedy.connect(pled.socket)
+    greedy.setblocking(False)
+    call = protocol.call(protocol.STATUS) * 64
+    dropped = None
+    deadline = time.monotonic() + 60
+    while dropped is None and time.monotonic() < deadline:
+        try:
+            greedy.send(call)
+        except BlockingIOError:
+            time.sleep(0.01)
+        except OSError as err:
+            dropped = err.errno
+    assert dropped in (errno.EPIPE, errno.ECONNRESET), "the greedy connection was never dropped"
+    greedy.close()
+    assert "dropping pid" in pled.log()
+    assert_serving(pled, "t1", d, before)
+
+
+def test_5_fds_in_flight_are_bounded_per_connection(tmp_path, sidecar, pleds):
+    """8 connections each send 200 Attach calls and read nothing. pled runs without CAP_SYS_RESOURCE, as in
+    its unit, so kernels that count every fd in flight against the sender (the issue's host) refuse pled any
+    more past its fd limit (ETOOMANYREFS), and every other client's attach fails while the attackers stay.
+    Kernel 6.18 here does not count memfds, so what this test can show is pled's own bound: an attacker
+    receives at most MAX_FDS_PER_CONNECTION fds and is dropped, named, and others attach meanwhile."""
+    try:
+        from pled.session import MAX_FDS_PER_CONNECTION
+    except ImportError:  # today's main, which has no such bound
+        MAX_FDS_PER_CONNECTION = 16
+
+    d = sidecar(shards=4, rows=64)
+    drop = ["setpriv", "--inh-caps=-sys_resource", "--bounding-set=-sys_resource"]
+    pled = start(tmp_path, {"t1": d}, nofile=1024, prefix=drop)
+    pleds.append(pled)
+    before = baseline(pled, "t1")
+    attackers = []
+    for _ in range(8):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(pled.socket)
+        s.sendall(protocol.call(protocol.ATTACH, table="t1") * 200)
+        attackers.append(s)
+    time.sleep(1)
+    for _ in range(20):
+        assert_serving(pled, "t1", d)
+    received = []
+    for s in attackers:
+        s.settimeout(10)
+        n = 0
+        while True:
+            try:
+                data, fds, _, _ = socket.recv_fds(s, 65536, 64)
+            except ConnectionResetError:
+                break
+            for fd in fds:
+                os.close(fd)
+            n += len(fds)
+            if not data:
+                break
+        received.append(n)
+        s.close()
+    assert max(received) <= MAX_FDS_PER_CONNECTION, received
+    assert pled.log().count("table fds sent to it are unread") >= 1
+    assert_serving(pled, "t1", d, before)
+
+
+CHAOS = """
+import os, random
+import pled.handlers as h, pled.planning as p, pled.tables as t
+rng = random.Random(11)
+KINDS = [RuntimeError, KeyError, OSError, ValueError, TypeError, RecursionError, ZeroDivisionError, AttributeError]
+def chaotic(f):
+    def g(*a, **k):
+        if os.path.exists(os.environ["PLED_CHAOS"]) and rng.random() < 0.4:
+            raise rng.choice(KINDS)("chaos")
+        return f(*a, **k)
+    return g
+for cls, names in ((h.Handlers, ["ping", "status", "attach", "reload", "attach_reply", "on_close"]),
+                   (t.TableState, ["sources", "status"])):
+    for n in names:
+        setattr(cls, n, chaotic(getattr(cls, n)))
+p.plan_reload = chaotic(p.plan_reload)
+"""
+
+
+def test_exceptions_thrown_into_handlers_never_stop_the_daemon(tmp_path, sidecar, pleds, monkeypatch):
+    from pled import client
+
+    d = sidecar(shards=4, rows=64)
+    flag = tmp_path / "chaos-on"
+    monkeypatch.setenv("PLED_CHAOS", str(flag))
+    pled = start(tmp_path, {"t1": d}, patch=CHAOS)
+    pleds.append(pled)
+    before = baseline(pled, "t1")
+    flag.touch()
+    answered = {"ok": 0, "error": 0}
+    for i in range(150):
+        method = [protocol.PING, protocol.STATUS, protocol.ATTACH, protocol.RELOAD][i % 4]
+        try:
+            if method == protocol.ATTACH:
+                with client.attach("t1", socket=pled.socket, timeout=20):
+                    pass
+            else:
+                client.call(method, socket=pled.socket, timeout=20)
+            answered["ok"] += 1
+        except (client.ProtocolError, client.ReloadFailed):
+            answered["error"] += 1
+    assert answered["ok"] > 10 and answered["error"] > 10, answered
+    flag.unlink()
+    log = pled.log()
+    assert "chaos" in log and "Traceback" in log  # logged, with where it happened
+    assert_serving(pled, "t1", d, before)
