@@ -4,11 +4,29 @@ import numpy as np
 import pytest
 import torch
 
-from pled import dequant, gather
+from types import SimpleNamespace
+
+from pled import dequant
+from pled.gather import Gatherer
+from pled.layouts import LAYOUTS
 
 # One row of 32 columns (two blocks of 16), packed two codes per byte, LOW nibble first (layouts.py).
 # Byte 0x21 holds code 1 (column 0) and code 2 (column 1); byte 0xF0 holds 0 then 15.
 PACKED = np.array([[0x21, 0xF0] + [0x88] * 14], dtype=np.uint8)
+
+
+def torch_rows(layout: str, tensors: dict[str, np.ndarray], width: int = 32) -> torch.Tensor:
+    """Row 0 of a one-shard, one-row table holding ``tensors``, through pled's own torch gather (gather.py): the
+    tensors laid out one after another as a region would hold them, with a manifest that says where."""
+    buf, entries = bytearray(), []
+    for spec in LAYOUTS[layout].tensors:
+        if spec.name in tensors:
+            entries.append(SimpleNamespace(shard=0, name=spec.name, offset=len(buf)))
+            buf += np.ascontiguousarray(tensors[spec.name]).tobytes()
+            buf += bytes(-len(buf) % 16)
+    manifest = SimpleNamespace(table="t", layout=layout, rows=1, row_width=width, tensors=entries,
+                               shards=[SimpleNamespace(rows=1)])
+    return Gatherer(manifest, torch.frombuffer(buf, dtype=torch.uint8)).gather([0], dtype=torch.float32)
 
 
 def test_int4_low_nibble_first_and_minus_eight():
@@ -16,8 +34,7 @@ def test_int4_low_nibble_first_and_minus_eight():
     want = np.array([(1 - 8) * 0.5, (2 - 8) * 0.5, (0 - 8) * 0.5, (15 - 8) * 0.5] + [0.0] * 12 + [0.0] * 16, np.float32)
     got = dequant.dequant_rows("ples_int4", {"weight_i4": PACKED, "weight_scale": scale}, np.array([0]))
     assert got.tolist() == [want.tolist()]
-    t = gather.dequant_shard("ples_int4", {"weight_i4": torch.from_numpy(PACKED), "weight_scale": torch.from_numpy(scale)},
-                             torch.tensor([0]))
+    t = torch_rows("ples_int4", {"weight_i4": PACKED, "weight_scale": scale})
     assert t.tolist() == [want.tolist()]
 
 
@@ -30,9 +47,7 @@ def test_nvfp4_low_nibble_first_sign_in_bit_three():
     got = dequant.dequant_rows("ples_nvfp4", {"weight_e2m1": PACKED, "weight_scale": codes, "weight_scale_2": scale_2},
                                np.array([0]))
     assert got.tolist() == [want]
-    t = gather.dequant_shard("ples_nvfp4", {"weight_e2m1": torch.from_numpy(PACKED),
-                                            "weight_scale": torch.from_numpy(codes).view(torch.float8_e4m3fn),
-                                            "weight_scale_2": torch.from_numpy(scale_2)}, torch.tensor([0]))
+    t = torch_rows("ples_nvfp4", {"weight_e2m1": PACKED, "weight_scale": codes, "weight_scale_2": scale_2})
     assert t.tolist() == [want]
 
 
