@@ -16,13 +16,12 @@ This module imports neither torch nor vLLM until vLLM itself has imported its lo
 """
 from __future__ import annotations
 
-import inspect
-import logging
 import sys
 import threading
 
-from . import held_files, import_hook, safe_open_seam
-from .held_files import PledUnavailable, emit  # noqa: F401  (PledUnavailable: what a failed load raises)
+# Only what register() needs: this runs at every interpreter's start-up where PLED_SOCKET is set. The rest
+# (pled.held_files, logging, inspect) is imported when vLLM's loader or safetensors is used.
+from . import import_hook, safe_open_seam
 
 ITERATOR = "safetensors_weights_iterator"
 WEIGHT_UTILS = "vllm.model_executor.model_loader.weight_utils"
@@ -45,6 +44,8 @@ _lock = threading.RLock()
 
 def _fits(module, target) -> str | None:
     """Why the iterator wrapper cannot serve through ``target``, or None when it can."""
+    import inspect  # here, not at start-up: only a process that imports vLLM's loader pays for it
+
     missing = [h for h in HELPERS if not callable(getattr(module, h, None))]
     if missing:
         return f"{module.__name__} has no {', '.join(missing)}"
@@ -60,6 +61,8 @@ def _fits(module, target) -> str | None:
 
 
 def _wrap_iterator(original, module):
+    import inspect
+
     signature = inspect.signature(original)
     has_experts = "local_expert_ids" in signature.parameters
 
@@ -86,6 +89,8 @@ def _wrap_iterator(original, module):
         if held_any:
             st.report(ITERATOR)
 
+    from . import held_files
+
     safetensors_weights_iterator.__wrapped__ = original
     safetensors_weights_iterator.__pled__ = True
     safetensors_weights_iterator.__signature__ = signature
@@ -98,6 +103,10 @@ def _vllm_version() -> str:
 
 
 def _patch_weight_utils(module) -> None:
+    import logging
+
+    from .held_files import emit
+
     target = getattr(module, ITERATOR, None)
     wrapped, left = [], []
     if getattr(target, "__pled__", False):
