@@ -24,6 +24,7 @@ import threading
 import time
 from pathlib import Path
 
+from bench import offload
 from pled import staging
 from pled.generator import make_sidecar
 from pled.hugepages import THP
@@ -419,8 +420,8 @@ def write_report(res: dict, command: str, path: Path) -> None:
     for name, r in rs.items():
         lines.append(f"| {name} | {fmt(r['seconds'], ' s')} | {r['rchar']['median'] / MiB:.1f} MiB |")
     fresh, adopt = rs["fresh staging"]["seconds"]["median"], rs["adopted from the fd store"]["seconds"]["median"]
-    lines += ["", f"Adoption takes {adopt / fresh:.2f} of a fresh staging's time.", "",
-              "## Against the targets", ""] + res["verdicts"] + [""]
+    lines += ["", f"Adoption takes {adopt / fresh:.2f} of a fresh staging's time."] + offload.report(res.get("offload_worker"))
+    lines += ["## Against the targets", ""] + res["verdicts"] + [""]
     path.write_text("\n".join(lines))
 
 
@@ -520,6 +521,7 @@ def main() -> int:
                     res["huge_share"] = [line for line in huge.log_path.read_text().splitlines() if "staged:" in line][0]
                     res["gathers"] |= bench_gathers(gather_cases(d, huge.socket, "ples_int4", "huge pages"), a.repeats,
                                                     a.requests, a.ids)
+        res["offload_worker"] = offload.bench(work, d, daemon.socket, a.repeats, a.requests, a.ids)
         for dm in daemons:
             dm.stop()
         res["restart"] = bench_restart(work, d, a.repeats)

@@ -125,7 +125,7 @@ def report(res: dict | None) -> list[str]:
     """The section of docs/BENCHMARKS.md."""
     lines = ["", "## 5. The PLE offload worker after a restart", ""]
     if not res:
-        return lines + ["Not measured: no .venv-vllm (the worker's torch and safetensors come from it).", ""]
+        return lines + ["Not measured in this run (it needs .venv-vllm, whose torch and safetensors the worker uses).", ""]
     tok = res["ids"] // 16
     lines += [f"vLLM's PLE offload worker played as the Flash-Next builds run it (`bench/ple_offload_worker.py`): a "
               "spawned process that never loads vLLM's plugins reads META.json, `safe_open` + `get_tensor` on every "
