@@ -25,11 +25,16 @@ def after_import(name: str, callback: Callable) -> None:
         _after.setdefault(name, []).append(callback)
     module = sys.modules.get(name)
     if module is not None:
+        _call(callback, module)
+
+
+def _call(callback, module) -> None:
+    """A fault in pled's own wrapping never breaks the program's import: one line, and the module as it was."""
+    try:
         callback(module)
-
-
-def installed() -> bool:
-    return any(isinstance(f, _Finder) for f in sys.meta_path)
+    except Exception as err:
+        sys.stderr.write(f"pled: could not wrap {module.__name__} ({type(err).__name__}: {err}); "
+                         "files are read from disk there\n")
 
 
 class _Finder:  # a meta path finder (duck-typed: importlib.abc costs 60 ms to import at start-up)
@@ -56,4 +61,4 @@ class _Loader:
     def exec_module(self, module) -> None:
         self.inner.exec_module(module)
         for callback in list(_after.get(module.__name__, ())):
-            callback(module)
+            _call(callback, module)
