@@ -63,6 +63,8 @@ def _fits(module, target) -> str | None:
 def _wrap_iterator(original, module):
     import inspect
 
+    from . import held_files
+
     signature = inspect.signature(original)
     has_experts = "local_expert_ids" in signature.parameters
 
@@ -88,8 +90,6 @@ def _wrap_iterator(original, module):
                     yield name, tensor
         if held_any:
             st.report(ITERATOR)
-
-    from . import held_files
 
     safetensors_weights_iterator.__wrapped__ = original
     safetensors_weights_iterator.__pled__ = True
