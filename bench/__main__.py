@@ -24,7 +24,8 @@ import threading
 import time
 from pathlib import Path
 
-from bench import report, soak, table_gather  # soak and table_gather register their report sections
+from bench import report
+from bench import offload, table_gather, soak  # sections 5, 6, 7 of the report, in this order
 from pled import staging
 from pled.generator import make_sidecar
 from pled.hugepages import THP
@@ -406,6 +407,7 @@ def main() -> int:
                                                     a.requests, a.ids)
                     res["table_gather"]["huge pages"] = table_gather.run(huge.socket, "ples_int4", max(5, a.repeats),
                                                                          a.requests, a.ids, settle, log)
+        res["offload_worker"] = offload.bench(work, d, daemon.socket, a.repeats, a.requests, a.ids)
         for dm in daemons:
             dm.stop()
         res["restart"] = bench_restart(work, d, a.repeats)

@@ -188,7 +188,7 @@ def report(s: dict) -> list[str]:
     """The soak's section of docs/BENCHMARKS.md."""
     b, a = s["before"], s["after"]
     misbehaving = ", ".join(f"{k} {v}" for k, v in s["misbehaving"].items())
-    lines = ["## 6. Soak: misbehaving clients and reloads", "",
+    lines = ["## 7. Soak: misbehaving clients and reloads", "",
              f"{s['seconds']:.0f} s of misbehaving clients, one thread per kind, connections made: {misbehaving}; "
              f"beside them well-behaved clients attaching and reading, and SIGHUP every "
              f"{s['reload_every_s']:.0f} s alternating between one table and two ({s['reloads']} reloads: "

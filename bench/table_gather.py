@@ -155,7 +155,7 @@ def report_lines(res: dict) -> list[str]:
         return []
     first = next(iter(tg.values()))
     n = first["cases"]["Table.gather"]["first"]["n"]
-    lines = ["## 5. pled's own `Table.gather`", "",
+    lines = ["## 6. pled's own `Table.gather`", "",
              f"{res['gather_ids']} random row ids per request, {res['gather_requests']} requests per run, into a "
              f"bfloat16 output allocated once; each case {n} times in fresh processes, interleaved (A, B, C, D, A, ...), "
              "all pre-faulted. numpy worker: section 3's gather; op chain: the published offload worker's torch ops "

@@ -39,6 +39,15 @@ def _inspect(args) -> int:
         print(f"  rows       {sidecar.rows} ({'/'.join(map(str, per))} per shard)")
         print(f"  row width  {sidecar.row_width}")
     print(f"  bytes      {sidecar.nbytes} ({gib(sidecar.nbytes)}); region {manifest.region_bytes} ({gib(manifest.region_bytes)}) with alignment")
+    if sidecar.meta:
+        from .sidecar_meta import other_keys
+
+        said = [f"{k} = {json.dumps(sidecar.meta[k])}" for k in ("layout", "shards", "rows", "width") if k in sidecar.meta]
+        print(f"  META.json  {', '.join(said) or 'no identity keys'} (checked against the shards)")
+        for key, value in other_keys(sidecar.meta).items():
+            print(f"    {key} = {json.dumps(value)}")
+        if "digests" in sidecar.meta:
+            print(f"    digests for {len(sidecar.meta['digests'])} shard(s)")
     return 0
 
 

@@ -1,4 +1,5 @@
-"""A synthetic sidecar in the exact shipped format, deterministic from a seed.
+"""A synthetic sidecar in the exact shipped format, deterministic from a seed, with a META.json in the
+published form.
 
 Values are real quantized data: every code dequantizes to a finite number
 (fp8 codes skip the NaN patterns, scales are positive), so tests and benchmarks
@@ -13,6 +14,7 @@ import numpy as np
 
 from . import layouts
 from .safetensors_file import write
+from .sidecar_meta import PUBLISHED_LAYOUT
 
 
 def _fp8_codes(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
@@ -60,8 +62,9 @@ def make_sidecar(directory: str, layout: str = "ples_int4", shards: int = 4, row
                      for n, d, s, a in shard_tensors(layout, rows, width, rng)],
               metadata={"format": "pt", "layout": layout})
         paths.append(path)
-    meta = {"layout": layout, "num_shards": shards, "rows_per_shard": rows, "total_rows": rows * shards,
-            "row_width": width, "seed": seed, "generator": "pled make-sidecar", "digests": digests}
+    # The published form (see pled.sidecar_meta): its layout string, shards, rows in all, width; then ours.
+    meta = {"layout": PUBLISHED_LAYOUT[layout], "shards": shards, "rows": rows * shards, "width": width,
+            "rows_per_shard": rows, "seed": seed, "generator": "pled make-sidecar", "digests": digests}
     with open(os.path.join(directory, "META.json"), "w", encoding="utf-8") as f:
         json.dump(meta, f, indent=2)
         f.write("\n")

@@ -12,7 +12,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from . import layouts
+from . import layouts, sidecar_meta
 from .boundary import BoundaryError, clip, load_json, read_bounded
 from .digests import HEX_LENGTH
 from .errors import SidecarError
@@ -68,6 +68,7 @@ class Sidecar:
             "rows": self.rows,
             "row_width": self.row_width,
             "bytes": self.nbytes,
+            "meta": {k: v for k, v in self.meta.items() if k != "digests"},
             "files": [
                 {"path": s.path, "bytes": s.size, "rows": s.rows, "tensors": len(s.header.tensors), "fingerprint": s.header.fingerprint}
                 for s in self.shards
@@ -223,7 +224,7 @@ def _check_alike(headers: list[SafetensorsHeader]) -> None:
 
 
 def _read_meta(path: str, sidecar: Sidecar) -> dict:
-    """META.json is optional; where present, what it says must match the shards."""
+    """META.json is optional; where present, what it says must match the shards (see sidecar_meta)."""
     if not os.path.lexists(path):
         return {}
     try:
@@ -232,15 +233,7 @@ def _read_meta(path: str, sidecar: Sidecar) -> dict:
         raise SidecarError(path, f"cannot be read as JSON ({err}); fix or remove it") from err
     if not isinstance(meta, dict):
         raise SidecarError(path, "is not a JSON object")
-    checks = {
-        "layout": sidecar.layout,
-        "num_shards": len(sidecar.shards),
-        "total_rows": sidecar.rows,
-        "row_width": sidecar.row_width,
-    }
-    for key, actual in checks.items():
-        if key in meta and meta[key] != actual:
-            raise SidecarError(path, f"says {key} = {clip(repr(meta[key]), 80)} but the shards give {actual!r}")
+    sidecar_meta.check(path, meta, sidecar.layout, len(sidecar.shards), sidecar.rows, sidecar.row_width)
     return meta
 
 

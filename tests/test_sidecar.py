@@ -51,10 +51,10 @@ def test_shards_are_ordered_numerically(sidecar):
 
 def test_meta_json_is_read_and_checked(sidecar):
     d = sidecar(shards=2, rows=8)
-    assert open_table(str(d)).meta["num_shards"] == 2
+    assert open_table(str(d)).meta["shards"] == 2
     meta = json.loads((d / "META.json").read_text())
-    (d / "META.json").write_text(json.dumps({**meta, "total_rows": 999}))
-    refused(d, "META.json", "total_rows = 999", "16")
+    (d / "META.json").write_text(json.dumps({**meta, "rows": 999}))
+    refused(d, "META.json", "rows = 999", "16")
     (d / "META.json").write_text("{not json")
     refused(d, "META.json", "cannot be read as JSON")
 

@@ -3,7 +3,7 @@ held files come from pled's region, others from disk. Prints JSON. safe_open_che
 import json
 import sys
 
-from pled import vllm_plugin
+from pled import held_files, vllm_plugin
 
 vllm_plugin.register()  # what vLLM does in every process; safetensors is imported after it here
 
@@ -18,7 +18,7 @@ with safe_open(held, framework="pt") as f:
     t = f.get_tensor(name)
     out["held_keys"] = f.keys()
     out["metadata"] = f.metadata()
-    table = vllm_plugin._state.tables["model"]
+    table = held_files._state.tables["model"]
     out["zero_copy"] = table.address <= t.data_ptr() < table.address + table.manifest.region_bytes
     with safe_open.__wrapped__(held, framework="pt") as disk:
         out["equal"] = all(torch.equal(f.get_tensor(k), disk.get_tensor(k)) for k in f.keys())

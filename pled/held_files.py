@@ -1,0 +1,182 @@
+"""Which files pled holds for this process, and what to do when it cannot serve them.
+
+Shared by every seam that serves a file from pled (vLLM's weight iterator, ``safetensors.safe_open``) in
+any process of the vLLM environment: vLLM's own processes, which load pled as a plugin, and those that do
+not (a spawned PLE offload worker), which get it from the start-up hook (pled.autoload).
+
+Enabled by ``PLED_SOCKET`` (with ``PLED_TABLES=a,b`` and ``PLED_FALLBACK=disk``) or, in a process where
+vLLM's config is already set, by ``--additional-config '{"pled": {"socket": ..., "tables": [...],
+"fallback": "disk"}}'``. The tables are attached on the first file asked for, once per process. If pled
+is configured but cannot serve, the file's load fails with pled's message, unless the fallback is
+``"disk"``: then a warning, and the file is read as usual. Neither torch nor vLLM is imported here.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import threading
+from dataclasses import dataclass, field
+
+log = logging.getLogger("vllm.pled")  # under vLLM's own logger, so its handlers print our lines
+HINT = "check `systemctl status pled` and `pled status`"
+
+_lock = threading.RLock()
+
+
+class PledUnavailable(RuntimeError):
+    """pled is configured for this process but cannot serve what it should."""
+
+
+def emit(level: int, message: str, *args) -> None:
+    """A log line through vLLM's handlers where there are any; else one line on stderr (a spawned worker
+    that configured no logging still says what pled did)."""
+    if log.hasHandlers():
+        log.log(level, message, *args)
+    elif level >= logging.INFO:
+        prefix = "" if level < logging.WARNING else f"{logging.getLevelName(level)} "
+        sys.stderr.write(f"{prefix}{message % args}\n")
+        sys.stderr.flush()
+
+
+@dataclass
+class Settings:
+    socket: str
+    tables: list[str] | None
+    fallback: str | None  # "disk", or None: fail the load
+    populate: bool = True
+    source: str = "PLED_SOCKET"
+
+
+def _vllm_additional_config() -> dict:
+    """pled's part of vLLM's --additional-config, if vLLM is loaded here and its config is set (never
+    imports vLLM itself: a process that has not would pay seconds for nothing)."""
+    if "vllm.config.vllm" not in sys.modules:
+        return {}
+    try:
+        cfg = sys.modules["vllm.config.vllm"].get_current_vllm_config_or_none()
+    except Exception:  # a vLLM whose config module differs: the environment still applies
+        return {}
+    if cfg is not None and isinstance(getattr(cfg, "additional_config", None), dict):
+        return cfg.additional_config.get("pled") or {}
+    return {}
+
+
+def settings() -> Settings | None:
+    """pled's settings for this process; None: pled is not enabled here."""
+    extra = _vllm_additional_config()
+    socket = extra.get("socket") or os.environ.get("PLED_SOCKET")
+    if not socket:
+        return None
+    tables = extra.get("tables")
+    if tables is None and os.environ.get("PLED_TABLES"):
+        tables = [t for t in os.environ["PLED_TABLES"].split(",") if t]
+    fallback = extra.get("fallback") or os.environ.get("PLED_FALLBACK") or None
+    if fallback not in (None, "disk"):
+        raise PledUnavailable(f'pled: fallback must be "disk" or unset, not {fallback!r}')
+    return Settings(socket, tables, fallback, bool(extra.get("populate", True)),
+                    "--additional-config" if extra.get("socket") else "PLED_SOCKET")
+
+
+@dataclass
+class Held:
+    table: object  # pled.client.Table
+    shard: object  # pled.region.ShardEntry
+
+
+@dataclass
+class State:
+    """What this process has attached: tables, and each held file by real path."""
+
+    settings: Settings
+    tables: dict = field(default_factory=dict)
+    files: dict[str, Held] = field(default_factory=dict)
+    # (table, seam) -> real paths served through that seam and not yet reported
+    served: dict[tuple[str, str], set] = field(default_factory=dict)
+    reported: set = field(default_factory=set)  # (table, seam) whose every file was reported
+
+    def lookup(self, path: str) -> Held | None:
+        """The region holding ``path``, if it is a file pled staged and it is unchanged; else None or an error."""
+        real = os.path.realpath(path)
+        held = self.files.get(real)
+        if held is None:
+            return None
+        st = os.stat(real)
+        if (st.st_size, st.st_mtime_ns) != (held.shard.size, held.shard.mtime_ns):
+            self.refuse(f"{real} changed since pled staged it into table {held.table.name} "
+                        f"(size {st.st_size}, was {held.shard.size}); restart pled to stage it anew, then vLLM")
+            return None
+        return held
+
+    def refuse(self, problem: str) -> None:
+        if self.settings.fallback == "disk":
+            emit(logging.WARNING, "pled: %s; reading from disk instead (fallback = \"disk\")", problem)
+            return
+        raise PledUnavailable(f"pled: {problem}; {HINT}, or set \"fallback\": \"disk\" "
+                              "(PLED_FALLBACK=disk) to read from disk")
+
+    def count(self, held: Held, seam: str) -> None:
+        with _lock:
+            self.served.setdefault((held.table.name, seam), set()).add(held.shard.path)
+
+    def report(self, seam: str, complete_only: bool = False) -> None:
+        """One line per table served through ``seam`` since the last report (with ``complete_only``: only
+        for tables whose every file has now been served, each such table once)."""
+        from pled.sizes import gib
+
+        with _lock:
+            for (name, how), paths in list(self.served.items()):
+                t = self.tables[name]
+                if how != seam or (complete_only and (len(paths) < len(t.shards) or (name, how) in self.reported)):
+                    continue
+                if complete_only:
+                    self.reported.add((name, how))
+                del self.served[(name, how)]
+                emit(logging.INFO, "pled: pid %d mapped table %s (generation %d): %d of %d files, %s from shared "
+                     "memory, 0 bytes read from disk for them, through %s (pre-fault %.0f ms)", os.getpid(), name,
+                     t.generation, len(paths), len(t.shards), gib(t.manifest.source_bytes), seam,
+                     t.populate_seconds * 1000)
+
+    def report_the_rest(self) -> None:
+        """At exit: tables some of whose files were served through safe_open, not yet reported."""
+        for seam in {how for _, how in self.served}:
+            self.report(seam)
+
+
+_state: State | None = None
+
+
+def state() -> State | None:
+    """Attach (once per process) the tables pled serves; None when pled is not enabled here."""
+    global _state
+    with _lock:
+        s = settings()
+        if s is None:
+            return None
+        if _state is not None and _state.settings.socket == s.socket:
+            return _state
+        st = State(s)
+        _attach_all(st)  # raises where pled cannot serve and there is no fallback: the next load tries again
+        _state = st
+        atexit.register(st.report_the_rest)
+        return st
+
+
+def _attach_all(st: State) -> None:
+    from pled import client, protocol
+
+    s = st.settings
+    try:
+        names = s.tables
+        if names is None:
+            names = [t["table"] for t in client.call(protocol.STATUS, socket=s.socket)["tables"]]
+        for name in names:
+            table = client.attach(name, socket=s.socket, populate=s.populate, wait=True, timeout=600)
+            st.tables[name] = table
+            for shard in table.shards:
+                st.files[shard.path] = Held(table, shard)
+    except client.NoSuchTable as err:
+        st.refuse(f"a configured table is not served: {err}")
+    except client.ClientError as err:
+        st.refuse(f"configured by {s.source} ({s.socket}) but cannot attach: {err}")
