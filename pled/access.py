@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import array
 import errno
+import logging
 import os
 import socket
 import struct
 from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
 
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux 4.13+; Python's socket module may lack the name
@@ -87,6 +90,17 @@ def peer_of(sock: socket.socket) -> Peer:
     return Peer(pid, uid, gid, frozenset(peer_groups(sock) | {gid}), _command(pid))
 
 
+def unmapped_ids(kind: str, ids, proc: str = "/proc/self") -> set[int]:
+    """Those of ``ids`` (uids or gids) that this process's user namespace does not map: a peer with one of
+    them shows as the overflow id 65534 in SO_PEERCRED/SO_PEERGROUPS."""
+    try:
+        with open(f"{proc}/{kind}_map", encoding="ascii") as f:
+            ranges = [tuple(map(int, line.split())) for line in f if line.strip()]
+    except (OSError, ValueError):
+        return set()
+    return {i for i in ids if not any(inside <= i < inside + count for inside, _, count in ranges)}
+
+
 @dataclass(frozen=True)
 class Policy:
     """Root, pled's own user, and members of pled's own group (the socket's group, which its 0660 mode
@@ -98,6 +112,12 @@ class Policy:
 
     @classmethod
     def for_this_process(cls, allow_uids, allow_gids) -> "Policy":
+        for kind, ids in (("uid", allow_uids), ("gid", allow_gids)):
+            unmapped = sorted(unmapped_ids(kind, ids))
+            if unmapped:
+                log.warning("allow_%ss %s: not mapped in pled's user namespace (PrivateUsers=yes), so such clients show "
+                            "as 65534 and cannot be admitted; put them in group %d, or set PrivateUsers=no in a drop-in",
+                            "group" if kind == "gid" else kind, ", ".join(map(str, unmapped)), os.getegid())
         return cls(frozenset(allow_uids), frozenset(allow_gids), os.geteuid(), os.getegid())
 
     def allows(self, peer: Peer) -> bool:
