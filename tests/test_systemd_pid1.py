@@ -9,9 +9,10 @@ sysinit.target ran), so it runs here fenced in:
 - SYSTEMD_UNIT_PATH naming only the test's units, so no host unit (sysinit.target, tmpfiles) can load;
   every unit it starts has DefaultDependencies=no; container= is set so PID 1 skips host setup;
 - its own copy of /etc, so that systemd-sysusers creates users pled and vllm-test there and not on the host;
-- the host directories the services need (this checkout, the Python environment) bound back at their own paths
-  when a mount above would hide them (a checkout under /tmp), or when a directory on the way is closed to other
-  users (a Python under /root): the services run as users pled and vllm-test, as installed;
+- the host directories the services need (this checkout, the Python environment) bound back when a mount above
+  would hide them, or a directory on the way is closed to other users (a Python under /root): at their own paths,
+  or under /mnt/keep for those a service's own PrivateTmp=/PrivateDevices= would hide (a checkout under /tmp);
+  the services run as users pled and vllm-test, as installed;
 - no systemd-run; the ExecStartPre= that writes shmem_enabled is replaced in the test's copy by one that only
   records the uid it ran as (the "+" prefix is what is tested; the host's sysfs is never touched).
 Afterwards the test checks that a sentinel file in the host's /tmp, the host's sysctls, its THP settings, its
@@ -43,6 +44,7 @@ CGROUP_V1 = Path("/sys/fs/cgroup/systemd")
 CHECKOUT = Path(__file__).absolute().parent.parent
 UNITS = CHECKOUT / "units"
 MASKED = ("/tmp", "/run", "/var", "/mnt", "/dev")  # the namespace mounts its own over these
+RELOCATED = ("/tmp", "/var/tmp", "/dev")  # and a service's own mounts (PrivateTmp=, PrivateDevices=) hide these
 WATCHED = [
     "/proc/sys/kernel/hostname", "/proc/sys/kernel/domainname", "/proc/sys/kernel/pid_max",
     "/proc/sys/kernel/core_pattern", "/proc/sys/kernel/sysrq", "/proc/sys/kernel/printk", "/proc/sys/kernel/panic",
@@ -88,6 +90,16 @@ def host_paths() -> tuple[list[str], list[str]]:
     return kept, sorted(covered)
 
 
+def in_namespace(path) -> str:
+    """Where a host path the services need is found inside: at its own path, or under /mnt/keep if a service's
+    own mounts would hide it there."""
+    path = str(path)
+    for k in host_paths()[0]:
+        if under(path, k) and any(under(k, r) for r in RELOCATED):
+            return "/mnt/keep" + path
+    return path
+
+
 STANDIN = """
 import hashlib, os, time
 from pled import client
@@ -107,9 +119,9 @@ def write_test_units(units: Path, testdir: str, private_users: bool = False) -> 
     if private_users:  # the drop-in README offers where group pled is the only way in
         (units / "pled.service.d").mkdir()
         (units / "pled.service.d" / "private-users.conf").write_text("[Service]\nPrivateUsers=yes\n")
-    run_from_checkout = f"Environment=PYTHONPATH={CHECKOUT}\n"
+    run_from_checkout = f"Environment=PYTHONPATH={in_namespace(CHECKOUT)}\n"
     text = (UNITS / "pled.service").read_text()
-    python = sys.executable
+    python = in_namespace(sys.executable)
     assert "/opt/pled/bin/pled serve" in text and re.search(r"^ExecStartPre=-\+", text, flags=re.M)
     text = text.replace("/opt/pled/bin/pled serve", f"{python} -m pled serve -c {testdir}/pled.toml")
     text = text.replace("/opt/pled/bin/pled reload", f"{python} -m pled reload -c {testdir}/pled.toml")
@@ -138,12 +150,12 @@ set -euo pipefail
 echo $$ > "$CGROUP/cgroup.procs"
 exec unshare --pid --fork --mount --uts --ipc --net --cgroup --propagation private --mount-proc bash -c '
   set -euo pipefail
-  # Host directories the services need that the mounts below hide: held open here, bound back at their paths.
+  # Host directories the services need that the mounts below hide: held open here, bound back later ("host|inside").
   keep_fds=(); keep_paths=()
-  while IFS= read -r p; do
+  while IFS="|" read -r p at; do
     [ -n "$p" ] || continue
     exec {fd}<"$p"
-    keep_fds+=("$fd"); keep_paths+=("$p")
+    keep_fds+=("$fd"); keep_paths+=("$at")
   done <<< "$KEEP"
   # Nothing in here may change a kernel setting: systemd 252 as PID 1 raises fs.file-max even in a container.
   mount --bind /proc/sys /proc/sys
@@ -198,7 +210,8 @@ class Pid1:
     def __init__(self, testdir: Path, cgroup: Path):
         self.log = open(testdir / "systemd.log", "w")
         kept, covered = host_paths()
-        env = {**os.environ, "CGROUP": str(cgroup), "TESTDIR": str(testdir), "KEEP": "\n".join(kept), "COVER": " ".join(covered)}
+        env = {**os.environ, "CGROUP": str(cgroup), "TESTDIR": str(testdir), "COVER": " ".join(covered),
+               "KEEP": "\n".join(f"{p}|{in_namespace(p)}" for p in kept)}
         self.proc = subprocess.Popen(["bash", "-c", BOOT], env=env,
                                      stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         self.pid = self._init_pid()
