@@ -1,12 +1,26 @@
-"""Who is on the other end of a connection, and may they have the tables."""
+"""Who is on the other end of a connection, and may they have the tables.
+
+Everything a decision rests on comes from the kernel at connect time: SO_PEERCRED (pid, uid, gid)
+and SO_PEERGROUPS (the supplementary groups). /proc is read only for the command line shown in logs;
+the peer may have exited, or /proc may hide it (ProtectProc=), and that changes no decision.
+"""
 from __future__ import annotations
 
+import array
+import errno
+import logging
 import os
 import socket
 import struct
 from dataclasses import dataclass
 
+log = logging.getLogger(__name__)
+
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux 4.13+; Python's socket module may lack the name
+_GID_SIZE = 4  # gid_t
+_PY_MAX_BUFLEN = 1024  # socket.getsockopt refuses larger buffers: 256 groups
+NGROUPS_MAX = 65536
 
 
 @dataclass(frozen=True)
@@ -21,15 +35,43 @@ class Peer:
         return f"pid {self.pid} uid {self.uid} ({self.command})"
 
 
-def _proc_groups(pid: int) -> set[int]:
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.startswith("Groups:"):
-                    return {int(g) for g in line.split()[1:]}
-    except OSError:
-        pass  # the peer has exited; its primary gid is still known from SO_PEERCRED
-    return set()
+def _gids(raw: bytes) -> set[int]:
+    a = array.array("I")
+    a.frombytes(raw[: len(raw) - len(raw) % _GID_SIZE])
+    return set(a)
+
+
+def peer_groups(sock: socket.socket) -> set[int]:
+    """SO_PEERGROUPS: the peer's supplementary groups as they were when it connected.
+
+    The kernel answers ERANGE when the buffer is too small; we retry with a larger one. Python's
+    getsockopt takes at most 1024 bytes (256 groups), so a peer in more groups than that is read
+    with libc's getsockopt, which also tells us the size needed.
+    """
+    size = 64 * _GID_SIZE
+    while size <= _PY_MAX_BUFLEN:
+        try:
+            return _gids(sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, size))
+        except OSError as err:
+            if err.errno != errno.ERANGE:
+                raise
+            size *= 4
+    return _peer_groups_libc(sock.fileno())
+
+
+def _peer_groups_libc(fd: int) -> set[int]:
+    import ctypes  # only for a peer in more than 256 groups
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    length = ctypes.c_uint32(NGROUPS_MAX * _GID_SIZE)
+    while True:
+        buf = ctypes.create_string_buffer(length.value)
+        if libc.getsockopt(fd, socket.SOL_SOCKET, SO_PEERGROUPS, buf, ctypes.byref(length)) == 0:
+            return _gids(buf.raw[: length.value])
+        err = ctypes.get_errno()
+        if err != errno.ERANGE:
+            raise OSError(err, os.strerror(err))
+        # ERANGE: the kernel wrote the length it needs into `length`; try again with that
 
 
 def _command(pid: int) -> str:
@@ -43,25 +85,46 @@ def _command(pid: int) -> str:
 
 
 def peer_of(sock: socket.socket) -> Peer:
-    """SO_PEERCRED: the kernel's word on who connected, not the peer's."""
+    """SO_PEERCRED and SO_PEERGROUPS: the kernel's word on who connected, not the peer's."""
     pid, uid, gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-    return Peer(pid, uid, gid, frozenset(_proc_groups(pid) | {gid}), _command(pid))
+    return Peer(pid, uid, gid, frozenset(peer_groups(sock) | {gid}), _command(pid))
+
+
+def unmapped_ids(kind: str, ids, proc: str = "/proc/self") -> set[int]:
+    """Those of ``ids`` (uids or gids) that this process's user namespace does not map: a peer with one of
+    them shows as the overflow id 65534 in SO_PEERCRED/SO_PEERGROUPS."""
+    try:
+        with open(f"{proc}/{kind}_map", encoding="ascii") as f:
+            ranges = [tuple(map(int, line.split())) for line in f if line.strip()]
+    except (OSError, ValueError):
+        return set()
+    return {i for i in ids if not any(inside <= i < inside + count for inside, _, count in ranges)}
 
 
 @dataclass(frozen=True)
 class Policy:
+    """Root, pled's own user, and members of pled's own group (the socket's group, which its 0660 mode
+    already lets in) may attach; allow_uids and allow_gids widen that."""
     allow_uids: frozenset[int] = frozenset()
     allow_gids: frozenset[int] = frozenset()
     own_uid: int = -1
+    own_gid: int = -1
 
     @classmethod
     def for_this_process(cls, allow_uids, allow_gids) -> "Policy":
-        return cls(frozenset(allow_uids), frozenset(allow_gids), os.geteuid())
+        for kind, ids in (("uid", allow_uids), ("gid", allow_gids)):
+            unmapped = sorted(unmapped_ids(kind, ids))
+            if unmapped:
+                log.warning("allow_%ss %s: not mapped in pled's user namespace (PrivateUsers=yes), so such clients show "
+                            "as 65534 and cannot be admitted; put them in group %d, or set PrivateUsers=no in a drop-in",
+                            "group" if kind == "gid" else kind, ", ".join(map(str, unmapped)), os.getegid())
+        return cls(frozenset(allow_uids), frozenset(allow_gids), os.geteuid(), os.getegid())
 
     def allows(self, peer: Peer) -> bool:
         return (
             peer.uid == 0
             or peer.uid == self.own_uid
             or peer.uid in self.allow_uids
+            or self.own_gid in peer.groups
             or bool(peer.groups & self.allow_gids)
         )

@@ -3,7 +3,7 @@
     socket = "/run/pled/pled.sock"
     huge_pages = "auto"            # auto | off
     headroom_margin = "1GiB"       # kept free beyond the tables themselves
-    allow_uids = [1000]            # besides root and pled's own user
+    allow_uids = [1000]            # besides root, pled's own user and pled's own group
     allow_groups = ["vllm"]        # group names or gids
     staging_bandwidth = "500MB/s"  # optional: leave disk bandwidth to vLLM
 

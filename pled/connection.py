@@ -133,8 +133,9 @@ def close_all(fds: list[int]) -> None:
 
 def _error(name: str, params: dict, path: str) -> ClientError:
     if name == protocol.PERMISSION_DENIED:
-        return PermissionDenied(f"pled at {path} refused uid {params.get('uid', os.geteuid())}: ask the operator to add "
-                                f"it or one of its groups to allow_uids / allow_groups in /etc/pled/pled.toml")
+        return PermissionDenied(f"pled at {path} refused uid {params.get('uid', os.geteuid())}: run it in pled's group "
+                                f"(SupplementaryGroups=pled), or ask the operator to add it or one of its groups to "
+                                f"allow_uids / allow_groups in /etc/pled/pled.toml")
     if name == protocol.NO_SUCH_TABLE:
         return NoSuchTable(f"pled at {path} serves no table {params.get('table')!r} (it serves: "
                            f"{', '.join(params.get('tables') or []) or 'none'}); check the name and `pled status`")

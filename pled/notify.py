@@ -1,25 +1,34 @@
 """Talking to systemd: sd_notify messages and the file descriptor store.
 
-Plain messages go through sdnotify; messages that carry a file descriptor
-(FDSTORE=1) through ``socket.send_fds`` on the same socket, which sdnotify
-cannot do. Without NOTIFY_SOCKET every call is a silent no-op, so the same
-program runs in a terminal. A failure names the socket and is logged, never
-raised: systemd being unreachable must not stop pled from serving.
+sd_notify's protocol is one datagram per message on an AF_UNIX socket named by NOTIFY_SOCKET (a path,
+or an abstract address written with a leading '@'), its text UTF-8. One datagram socket sends every
+message; messages that carry a file descriptor (FDSTORE=1) pass it with SCM_RIGHTS in the same sendmsg.
+Without NOTIFY_SOCKET every call is a silent no-op, so the same program runs in a terminal. A failure
+names the socket and is logged once (until a message gets through again), never raised: systemd being
+unreachable must not stop pled from serving.
 """
 from __future__ import annotations
 
+import array
 import logging
 import os
 import socket
 from dataclasses import dataclass
-
-import sdnotify
 
 log = logging.getLogger(__name__)
 
 SCM_MAX_FD = 253  # the kernel refuses more fds than this in one message
 FDS_START = 3  # SD_LISTEN_FDS_START
 FDNAME_PREFIX = "pled"
+
+
+def socket_address(name: str) -> str:
+    """NOTIFY_SOCKET as an AF_UNIX address: '@name' is the abstract address '\\0name'."""
+    if name.startswith("@"):
+        return "\0" + name[1:]
+    if name.startswith("/"):
+        return name
+    raise ValueError("not an absolute path or an abstract '@' address")
 
 
 class Notifier:
@@ -29,13 +38,14 @@ class Notifier:
         env = os.environ if env is None else env
         self.address = env.get("NOTIFY_SOCKET") or None
         self.watchdog_interval = _watchdog_interval(env)
+        self._failing = False
         if self.address is None:
             return
         try:
-            self._notifier = sdnotify.SystemdNotifier(debug=True)
-            self._sock = self._notifier.socket
-        except OSError as err:
-            log.warning("Failed to connect to notify socket '%s': %s; running without systemd notifications", self.address, err)
+            self._target = socket_address(self.address)
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        except (OSError, ValueError) as err:
+            log.warning("cannot use notify socket '%s': %s; running without systemd notifications", self.address, err)
             self.address = None
 
     @property
@@ -43,20 +53,26 @@ class Notifier:
         return self._sock is not None
 
     def send(self, *lines: str, fds: tuple[int, ...] = ()) -> bool:
+        """One datagram: the lines joined by newlines, UTF-8, with ``fds`` attached. False if it did not go."""
         if self._sock is None:
             return False
         message = "\n".join(lines)
-        if len(fds) > SCM_MAX_FD:
-            raise ValueError(f"cannot pass {len(fds)} fds in one notify message; the kernel allows {SCM_MAX_FD}")
         try:
-            if fds:
-                socket.send_fds(self._sock, [message.encode()], list(fds))
-            else:
-                self._notifier.notify(message)
-            return True
+            if len(fds) > SCM_MAX_FD:
+                raise OSError(f"{len(fds)} fds in one message; the kernel allows {SCM_MAX_FD}")
+            ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+            # errors="replace": a path that is not valid UTF-8 shows with U+FFFD rather than failing the message
+            self._sock.sendmsg([message.encode("utf-8", errors="replace")], ancillary, 0, self._target)
         except OSError as err:
-            log.warning("Failed to send notify message %r to '%s': %s", message.split("\n")[0], self.address, err)
+            if not self._failing:
+                log.warning("Failed to send notify message %r to '%s': %s; further failures are not logged until one "
+                            "gets through", message.split("\n")[0], self.address, err)
+            self._failing = True
             return False
+        if self._failing:
+            log.info("notify socket '%s' reachable again", self.address)
+            self._failing = False
+        return True
 
     def ready(self, status: str) -> None:
         self.send("READY=1", f"STATUS={status}")

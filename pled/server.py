@@ -210,7 +210,7 @@ class Server:
 
     def _dispatch(self, conn: Connection, raw: bytes) -> None:
         if not conn.allowed:
-            log.warning("refused %s: not root, not pled's user, not in allow_uids or allow_groups", conn.peer.describe())
+            log.warning("refused %s: not root, not pled's user or group, not in allow_uids or allow_groups", conn.peer.describe())
             self.send(conn, Reply(protocol.error(protocol.PERMISSION_DENIED, uid=conn.peer.uid), close_after=True))
             return
         try:

@@ -32,7 +32,7 @@ def test_notify_order_and_fd_store(sidecar, tmp_path, notify_socket):
     notify_socket.wait_for("STOPPING=1")
     lines = notify_socket.lines()
     assert {p for p, _, _ in notify_socket.messages} == {proc.pid}  # every message from the main process
-    staging = [i for i, line in enumerate(lines) if line.startswith("STATUS=staging t: shard")]
+    staging = [i for i, line in enumerate(lines) if line.startswith(f"STATUS=staging t from {d}: shard")]
     extend = [i for i, line in enumerate(lines) if line.startswith("EXTEND_TIMEOUT_USEC=")]
     store = lines.index("FDSTORE=1")
     ready = lines.index("READY=1")

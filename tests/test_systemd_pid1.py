@@ -8,9 +8,20 @@ sysinit.target ran), so it runs here fenced in:
 - its own name=systemd cgroup hierarchy, rooted (cgroup namespace) at a child cgroup made for the test;
 - SYSTEMD_UNIT_PATH naming only the test's units, so no host unit (sysinit.target, tmpfiles) can load;
   every unit it starts has DefaultDependencies=no; container= is set so PID 1 skips host setup;
-- no systemd-run; the ExecStartPre= that writes shmem_enabled is dropped from the test's copy.
-Afterwards the test checks that a sentinel file in the host's /tmp, the host's sysctls, its THP settings and
-its hostname are unchanged.
+- its own copy of /etc, so that systemd-sysusers creates users pled and vllm-test there and not on the host;
+- the host directories the services need (this checkout, the Python environment) bound back when a mount above
+  would hide them, or a directory on the way is closed to other users (a Python under /root): at their own paths,
+  or under /mnt/keep for those a service's own PrivateTmp=/PrivateDevices= would hide (a checkout under /tmp);
+  the services run as users pled and vllm-test, as installed;
+- no systemd-run; the ExecStartPre= that writes shmem_enabled is replaced in the test's copy by one that only
+  records the uid it ran as (the "+" prefix is what is tested; the host's sysfs is never touched).
+Afterwards the test checks that a sentinel file in the host's /tmp, the host's sysctls, its THP settings, its
+hostname and its user database are unchanged.
+
+The units are the shipped ones, installed as the README says: units/pled.sysusers.conf (user and group pled),
+pled.service with its whole sandbox, and the vLLM drop-in on a stand-in vllm.service that runs as an ordinary user,
+attaches and holds a table. `systemctl restart pled` and `systemctl stop pled` must leave the stand-in running with
+its mapping readable, and the restarted pled must adopt the stored table without copying a byte.
 """
 import os
 import re
@@ -30,7 +41,10 @@ pytestmark = pytest.mark.skipif(os.environ.get("PLED_TEST_SYSTEMD") != "1",
 
 SYSTEMD = "/lib/systemd/systemd"
 CGROUP_V1 = Path("/sys/fs/cgroup/systemd")
-UNITS = Path(__file__).parent.parent / "units"
+CHECKOUT = Path(__file__).absolute().parent.parent
+UNITS = CHECKOUT / "units"
+MASKED = ("/tmp", "/run", "/var", "/mnt", "/dev")  # the namespace mounts its own over these
+RELOCATED = ("/tmp", "/var/tmp", "/dev")  # and a service's own mounts (PrivateTmp=, PrivateDevices=) hide these
 WATCHED = [
     "/proc/sys/kernel/hostname", "/proc/sys/kernel/domainname", "/proc/sys/kernel/pid_max",
     "/proc/sys/kernel/core_pattern", "/proc/sys/kernel/sysrq", "/proc/sys/kernel/printk", "/proc/sys/kernel/panic",
@@ -39,7 +53,7 @@ WATCHED = [
     "/proc/sys/fs/protected_symlinks", "/proc/sys/fs/suid_dumpable", "/proc/sys/vm/overcommit_memory",
     "/proc/sys/vm/swappiness", "/proc/sys/vm/max_map_count", "/proc/sys/net/core/somaxconn",
     "/proc/sys/net/ipv4/ip_forward", "/sys/kernel/mm/transparent_hugepage/enabled",
-    "/sys/kernel/mm/transparent_hugepage/shmem_enabled",
+    "/sys/kernel/mm/transparent_hugepage/shmem_enabled", "/etc/passwd", "/etc/group", "/etc/shadow", "/etc/gshadow",
 ]
 
 
@@ -53,19 +67,82 @@ def snapshot() -> dict[str, str]:
     return out
 
 
-def write_test_units(units: Path, testdir: str) -> None:
+def under(path: str, top: str) -> bool:
+    return path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def host_paths() -> tuple[list[str], list[str]]:
+    """(kept, covered): the directories the services need that the namespace would hide, and the directories on
+    their way that other users may not enter (covered inside by a 0755 tmpfs, the kept ones bound back below)."""
+    need = set()
+    for p in (CHECKOUT, Path(sys.prefix), Path(sys.base_prefix), Path(sys.executable).parent):
+        need |= {str(p), os.path.realpath(p)}
+    covered = set()
+    for p in need:
+        parts = Path(p).parts
+        for i in range(2, len(parts)):
+            d = str(Path(*parts[:i]))
+            if not any(under(d, m) for m in MASKED) and not os.stat(d).st_mode & 0o001:
+                covered.add(d)
+                break
+    hidden = [p for p in need if any(under(p, m) for m in (*MASKED, *covered))]
+    kept = sorted(p for p in hidden if not any(q != p and under(p, q) for q in hidden))
+    return kept, sorted(covered)
+
+
+def in_namespace(path) -> str:
+    """Where a host path the services need is found inside: at its own path, or under /mnt/keep if a service's
+    own mounts would hide it there."""
+    path = str(path)
+    for k in host_paths()[0]:
+        if under(path, k) and any(under(k, r) for r in RELOCATED):
+            return "/mnt/keep" + path
+    return path
+
+
+STANDIN = """
+import hashlib, os, time
+from pled import client
+t = client.attach("ples_int4")  # PLED_SOCKET comes from the vLLM drop-in
+print("attached", os.environ["PLED_SOCKET"], hashlib.sha256(t.buffer).hexdigest(), flush=True)
+n = 0
+while True:
+    time.sleep(0.2)
+    n += 1
+    print("check", n, hashlib.sha256(t.buffer).hexdigest(), flush=True)
+"""
+
+
+def write_test_units(units: Path, testdir: str, private_users: bool = False) -> None:
+    """The shipped units as the README installs them; only what a test must change is changed."""
     units.mkdir()
+    if private_users:  # the drop-in README offers where group pled is the only way in
+        (units / "pled.service.d").mkdir()
+        (units / "pled.service.d" / "private-users.conf").write_text("[Service]\nPrivateUsers=yes\n")
+    run_from_checkout = f"Environment=PYTHONPATH={in_namespace(CHECKOUT)}\n"
     text = (UNITS / "pled.service").read_text()
-    pled = Path(sys.executable).parent / "pled"
-    text = text.replace("/opt/pled/bin/pled serve", f"{pled} serve -c {testdir}/pled.toml")
-    text = text.replace("/opt/pled/bin/pled reload", f"{pled} reload -c {testdir}/pled.toml")
-    text = re.sub(r"^ExecStartPre=.*\n", "", text, flags=re.M)  # never touch the host's sysfs from the test
-    text = re.sub(r"^Group=pled\n", "", text, flags=re.M)  # no such group on a test machine
+    python = in_namespace(sys.executable)
+    assert "/opt/pled/bin/pled serve" in text and re.search(r"^ExecStartPre=-\+", text, flags=re.M)
+    text = text.replace("/opt/pled/bin/pled serve", f"{python} -m pled serve -c {testdir}/pled.toml")
+    text = text.replace("/opt/pled/bin/pled reload", f"{python} -m pled reload -c {testdir}/pled.toml")
+    # Never touch the host's sysfs from the test: the privileged line only records who it ran as.
+    text = re.sub(r"^ExecStartPre=-\+.*\n", "ExecStartPre=-+/bin/sh -c 'id -u > /run/pled-prestart-uid'\n", text, flags=re.M)
     text = text.replace("[Unit]\n", "[Unit]\nDefaultDependencies=no\n", 1)
     text = text.replace("[Service]\n", f"[Service]\nStandardOutput=append:{testdir}/pled.log\n"
-                                       f"StandardError=append:{testdir}/pled.log\nSlice=-.slice\n", 1)
+                                       f"StandardError=append:{testdir}/pled.log\nSlice=-.slice\n{run_from_checkout}", 1)
     (units / "pled.service").write_text(text)
-    (units / "pled-test.target").write_text("[Unit]\nDescription=pled test\nDefaultDependencies=no\nWants=pled.service\n")
+    (units / "vllm.service").write_text(
+        "[Unit]\nDescription=stand-in vLLM\nDefaultDependencies=no\n"
+        f"[Service]\nUser=vllm-test\nExecStart={python} {testdir}/standin.py\n{run_from_checkout}"
+        f"StandardOutput=append:{testdir}/vllm.log\nStandardError=append:{testdir}/vllm.log\nSlice=-.slice\n")
+    shutil.copytree(UNITS / "vllm.service.d", units / "vllm.service.d")  # the shipped drop-in, unchanged
+    # Only vLLM is wanted: its drop-in must pull pled in.
+    (units / "pled-test.target").write_text("[Unit]\nDescription=pled test\nDefaultDependencies=no\nWants=vllm.service\n")
+    sysusers = units.parent / "sysusers"
+    sysusers.mkdir()
+    shutil.copy(UNITS / "pled.sysusers.conf", sysusers / "pled.conf")
+    (sysusers / "vllm-test.conf").write_text('u vllm-test - "stand-in vLLM" - -\n')
+    (units.parent / "standin.py").write_text(STANDIN)
 
 
 BOOT = r"""
@@ -73,6 +150,13 @@ set -euo pipefail
 echo $$ > "$CGROUP/cgroup.procs"
 exec unshare --pid --fork --mount --uts --ipc --net --cgroup --propagation private --mount-proc bash -c '
   set -euo pipefail
+  # Host directories the services need that the mounts below hide: held open here, bound back later ("host|inside").
+  keep_fds=(); keep_paths=()
+  while IFS="|" read -r p at; do
+    [ -n "$p" ] || continue
+    exec {fd}<"$p"
+    keep_fds+=("$fd"); keep_paths+=("$at")
+  done <<< "$KEEP"
   # Nothing in here may change a kernel setting: systemd 252 as PID 1 raises fs.file-max even in a container.
   mount --bind /proc/sys /proc/sys
   mount -o remount,bind,ro /proc/sys
@@ -99,6 +183,20 @@ exec unshare --pid --fork --mount --uts --ipc --net --cgroup --propagation priva
   ln -s /proc/self/fd/0 /dev/stdin
   ln -s /proc/self/fd/1 /dev/stdout
   ln -s /proc/self/fd/2 /dev/stderr
+  # Its own /etc: the users created below exist only in here.
+  mkdir /mnt/etc
+  cp -a /etc/. /mnt/etc/
+  mount --bind /mnt/etc /etc
+  for d in $COVER; do mount -t tmpfs -o mode=755 pled-test "$d"; done
+  for i in "${!keep_paths[@]}"; do
+    mkdir -p "${keep_paths[$i]}"
+    mount --no-canonicalize --bind "/proc/self/fd/${keep_fds[$i]}" "${keep_paths[$i]}"
+    eval "exec ${keep_fds[$i]}<&-"
+  done
+  # Installed as the README says: the sysusers file creates user and group pled; the sidecar made readable to it.
+  systemd-sysusers /mnt/t/sysusers/pled.conf /mnt/t/sysusers/vllm-test.conf
+  chgrp -R pled /mnt/t/sc
+  chmod -R g+rX /mnt/t/sc
   mount -t tmpfs -o mode=755 pled-test /sys/fs/cgroup
   mkdir /sys/fs/cgroup/systemd
   mount -t cgroup -o none,name=systemd cgroup /sys/fs/cgroup/systemd
@@ -111,7 +209,10 @@ exec unshare --pid --fork --mount --uts --ipc --net --cgroup --propagation priva
 class Pid1:
     def __init__(self, testdir: Path, cgroup: Path):
         self.log = open(testdir / "systemd.log", "w")
-        self.proc = subprocess.Popen(["bash", "-c", BOOT], env={**os.environ, "CGROUP": str(cgroup), "TESTDIR": str(testdir)},
+        kept, covered = host_paths()
+        env = {**os.environ, "CGROUP": str(cgroup), "TESTDIR": str(testdir), "COVER": " ".join(covered),
+               "KEEP": "\n".join(f"{p}|{in_namespace(p)}" for p in kept)}
+        self.proc = subprocess.Popen(["bash", "-c", BOOT], env=env,
                                      stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         self.pid = self._init_pid()
 
@@ -130,26 +231,28 @@ class Pid1:
             time.sleep(0.1)
         raise AssertionError("systemd did not start in the namespace")
 
-    def systemctl(self, *args: str) -> str:
-        r = subprocess.run(["nsenter", "-t", str(self.pid), "-m", "-p", "systemctl", *args],
-                           capture_output=True, text=True, timeout=60)
+    def inside(self, *argv: str) -> str:
+        r = subprocess.run(["nsenter", "-t", str(self.pid), "-m", "-p", *argv], capture_output=True, text=True, timeout=60)
         return r.stdout
 
-    def show(self, *props: str) -> dict[str, str]:
-        out = self.systemctl("show", "pled.service", *(f"--property={p}" for p in props))
+    def systemctl(self, *args: str) -> str:
+        return self.inside("systemctl", *args)
+
+    def show(self, *props: str, unit: str = "pled.service") -> dict[str, str]:
+        out = self.systemctl("show", unit, *(f"--property={p}" for p in props))
         return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
 
-    def wait_active(self, since_pid: str | None = None, timeout: float = 90) -> dict[str, str]:
+    def wait_active(self, since_pid: str | None = None, timeout: float = 90, unit: str = "pled.service") -> dict[str, str]:
         deadline = time.monotonic() + timeout
         state = {}
         while time.monotonic() < deadline:
-            state = self.show("ActiveState", "SubState", "StatusText", "NFileDescriptorStore", "MainPID")
+            state = self.show("ActiveState", "SubState", "StatusText", "NFileDescriptorStore", "MainPID", unit=unit)
             if state.get("ActiveState") == "active" and state.get("MainPID") not in (None, "0", since_pid):
                 return state
             if state.get("ActiveState") == "failed":
                 break
             time.sleep(0.2)
-        raise AssertionError(f"pled.service never became active: {state}")
+        raise AssertionError(f"{unit} never became active: {state}\n{self.systemctl('status', unit)}")
 
     def stop(self) -> None:
         try:
@@ -160,13 +263,35 @@ class Pid1:
         self.log.close()
 
 
+def wait_line(path: Path, prefix: str, after: int = 0, timeout: float = 60) -> str:
+    """The first line starting with ``prefix`` among the lines after the first ``after``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = path.read_text().splitlines() if path.exists() else []
+        found = [line for line in lines[after:] if line.startswith(prefix)]
+        if found:
+            return found[0]
+        time.sleep(0.1)
+    raise AssertionError(f"no line {prefix!r} in {path}: {path.read_text() if path.exists() else 'missing'}")
+
+
+def next_check(path: Path) -> str:
+    """The stand-in's next digest of its mapping, read after this call."""
+    return wait_line(path, "check ", after=len(path.read_text().splitlines())).split()[2]
+
+
+def proc_status(pid1: Pid1, pid: str) -> dict[str, str]:
+    return dict((k, v.strip()) for k, _, v in (line.partition(":") for line in pid1.inside("cat", f"/proc/{pid}/status").splitlines()))
+
+
 def _remove_cgroups(root: Path) -> None:
     for d in sorted((p for p in root.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
         d.rmdir()
     root.rmdir()
 
 
-def test_pled_service_under_systemd_pid1(tmp_path):
+@pytest.mark.parametrize("private_users", [False, True], ids=["shipped", "private-users"])
+def test_pled_service_under_systemd_pid1(tmp_path, private_users):
     if os.geteuid() != 0 or not Path(SYSTEMD).exists() or not shutil.which("unshare") or not shutil.which("nsenter"):
         pytest.skip("needs root, systemd, unshare and nsenter")
     if not (CGROUP_V1 / "cgroup.procs").exists():
@@ -181,16 +306,43 @@ def test_pled_service_under_systemd_pid1(tmp_path):
     testdir.mkdir()
     testdir.chmod(0o755)
     make_sidecar(str(testdir / "sc"), "ples_int4", shards=4, rows=20_000)
+    for f in (testdir / "sc").iterdir():
+        f.chmod(0o640)
+    (testdir / "sc").chmod(0o750)  # not world-readable: user pled reads it through group pled, as the README says
     (testdir / "pled.toml").write_text('socket = "/run/pled/pled.sock"\nheadroom_margin = 0\n'
                                        '[[table]]\nname = "ples_int4"\npath = "/mnt/t/sc"\n')
-    write_test_units(testdir / "units", "/mnt/t")
+    write_test_units(testdir / "units", "/mnt/t", private_users)
     pid1 = None
     try:
         pid1 = Pid1(testdir, cgroup)
-        first = pid1.wait_active()
+        vllm = pid1.wait_active(unit="vllm.service")
+        first = pid1.wait_active()  # pulled in by the drop-in's Wants=
         assert first["SubState"] == "running"
         assert first["StatusText"].startswith("serving 1 table(s)") and "100% resident" in first["StatusText"]
         assert first["NFileDescriptorStore"] == "1"
+        # After=: vLLM started only once pled was ready (Type=notify).
+        pled_ready = int(pid1.show("ActiveEnterTimestampMonotonic")["ActiveEnterTimestampMonotonic"])
+        vllm_started = int(pid1.show("ExecMainStartTimestampMonotonic", unit="vllm.service")["ExecMainStartTimestampMonotonic"])
+        assert 0 < pled_ready <= vllm_started
+        attached = wait_line(testdir / "vllm.log", "attached ")
+        assert attached.split()[1] == "/run/pled/pled.sock"
+        digest = attached.split()[2]
+
+        # The sandbox is in force in the running process, and pled still serves.
+        ids = {f[0]: f[2] for f in (line.split(":") for line in pid1.inside("getent", "passwd", "pled", "vllm-test").splitlines())}
+        status = proc_status(pid1, first["MainPID"])
+        assert status["Uid"].split()[:2] == [ids["pled"]] * 2 and status["Umask"] == "0077"
+        assert status["NoNewPrivs"] == "1" and status["Seccomp"] == "2" and int(status["CapBnd"], 16) == 0
+        assert pid1.inside("cat", "/run/pled-prestart-uid").strip() == "0"  # ExecStartPre=+ kept its privilege
+        sock = pid1.inside("stat", "-c", "%A %U %G", "/run/pled/pled.sock", "/run/pled").split("\n")
+        assert sock[:2] == ["srw-rw---- pled pled", "drwxr-x--- pled pled"]
+        log = (testdir / "pled.log").read_text()
+        # ProtectProc=invisible: pled cannot see vLLM's process; the kernel's credentials still admit it. In a
+        # user namespace of its own (PrivateUsers=yes) vLLM's uid shows as 65534, and group pled still admits it.
+        assert f"uid {65534 if private_users else ids['vllm-test']} (?)" in log and "refused" not in log
+        uid_map = pid1.inside("cat", f"/proc/{first['MainPID']}/uid_map").split()
+        assert (uid_map == ["0", "0", "1", ids["pled"], ids["pled"], "1"]) if private_users else uid_map[2] == "4294967295"
+
         pid1.systemctl("restart", "pled.service")
         second = pid1.wait_active(since_pid=first["MainPID"])
         assert second["MainPID"] != first["MainPID"]
@@ -200,10 +352,19 @@ def test_pled_service_under_systemd_pid1(tmp_path):
         assert log.count("table ples_int4 adopted from systemd's fd store: generation 1") == 1
         assert "(1 adopted, 0.0 KiB copied)" in log
         assert log.count("shard 4/4") == 1  # staged once, by the first start only
+        # Wants=, not Requires=: vLLM was not restarted, and its mapping still reads the same bytes.
+        assert pid1.show("ActiveState", "MainPID", unit="vllm.service") == {"ActiveState": "active", "MainPID": vllm["MainPID"]}
+        assert next_check(testdir / "vllm.log") == digest
+
         pid1.systemctl("reload", "pled.service")  # ExecReload=pled reload: nothing changed, nothing restaged
         third = pid1.show("ActiveState", "MainPID", "NFileDescriptorStore")
         assert third == {"ActiveState": "active", "MainPID": second["MainPID"], "NFileDescriptorStore": "1"}
         assert "reload done" in (testdir / "pled.log").read_text()
+
+        pid1.systemctl("stop", "pled.service")
+        assert pid1.show("ActiveState")["ActiveState"] == "inactive"
+        assert pid1.show("ActiveState", "MainPID", unit="vllm.service") == {"ActiveState": "active", "MainPID": vllm["MainPID"]}
+        assert next_check(testdir / "vllm.log") == digest
     finally:
         if pid1 is not None:
             pid1.stop()

@@ -74,10 +74,39 @@ def test_pled_service_has_what_pled_relies_on():
     assert int(s["FileDescriptorStoreMax"]) >= 1 and s["WatchdogSec"] and s["RuntimeDirectory"] == "pled"
     assert s["MemorySwapMax"] == "0" and s["ProtectSystem"] == "strict"
     assert s["ExecStart"].endswith("pled serve") and s["ExecReload"].endswith("pled reload")
+    assert s["User"] == "pled" and s["Group"] == "pled" and s["UMask"] == "0077"
+    assert "ProcSubset" not in s  # it would hide /proc/meminfo, which the preflight reads
     d = settings(UNITS / "vllm.service.d" / "pled.conf")
-    assert d["Requires"] == "pled.service" and d["After"] == "pled.service"
+    # Wants=, not Requires=: a restart or stop of pled must not restart or stop vLLM (systemd.unit(5)).
+    assert d["Wants"] == "pled.service" and d["After"] == "pled.service" and "Requires" not in d and "BindsTo" not in d
     assert d["Environment"] == "PLED_SOCKET=/run/pled/pled.sock"
     # The unit's socket and the default socket agree.
     from pled import config
 
     assert config.DEFAULT_SOCKET == "/run/pled/pled.sock"
+
+
+@needs_verify
+def test_sandbox_exposure_is_at_most_1_5():
+    """The figure README states; `--offline=true` needs systemd 250 or newer."""
+    if systemd_version() < 250:
+        pytest.skip("systemd-analyze security --offline needs systemd 250")
+    r = subprocess.run([verify_tool, "security", "--offline=true", "--no-pager", str(UNITS / "pled.service")],
+                       capture_output=True, text=True, env={**os.environ, "SYSTEMD_COLORS": "0"}, timeout=120)
+    figure = float(re.search(r"Overall exposure level for pled.service: ([\d.]+)", r.stdout).group(1))
+    assert figure <= 1.5, r.stdout
+    assert f"exposure {figure}" in (UNITS.parent / "README.md").read_text()
+
+
+def test_sysusers_creates_user_and_group_pled(tmp_path):
+    tool = shutil.which("systemd-sysusers")
+    if tool is None:
+        pytest.skip("systemd-sysusers is not installed")
+    (tmp_path / "etc").mkdir()
+    r = subprocess.run([tool, f"--root={tmp_path}", str(UNITS / "pled.sysusers.conf")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    passwd = (tmp_path / "etc/passwd").read_text().splitlines()
+    group = (tmp_path / "etc/group").read_text().splitlines()
+    pled, = (line.split(":") for line in passwd if line.startswith("pled:"))
+    gid, = (line.split(":")[2] for line in group if line.startswith("pled:"))
+    assert pled[3] == gid and int(pled[2]) < 1000  # a system user whose primary group is pled

@@ -1,0 +1,167 @@
+"""Who may attach, with real non-root clients: a forked child drops to uid 65534 with chosen groups
+(setgroups, setgid, setuid) and attaches to a real pled whose effective gid is G, as under
+pled.service's User=pled/Group=pled with vLLM's SupplementaryGroups=pled.
+"""
+import encodings.ascii  # noqa: F401  the children cannot import it: Python's stdlib may sit under root's 0700 home
+import grp
+import hashlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+import pytest
+import torch
+
+from conftest import write_config
+from pled import client
+
+NOBODY = 65534
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run pled and clients as other ids")
+ROWS = torch.arange(0, 8000, 13)
+
+
+def free_gid(start: int) -> int:
+    gid = start
+    while True:
+        try:
+            grp.getgrgid(gid)
+        except KeyError:
+            return gid
+        gid += 1
+
+
+def as_user(groups: list[int] | None, action) -> str:
+    """Run action() in a forked child that is uid/gid 65534 with exactly `groups` as supplementary groups
+    (None: stays root). Every gather runs in a child: torch's thread pool does not survive a fork."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            if groups is not None:
+                os.setgroups(groups)
+                os.setgid(NOBODY)
+                os.setuid(NOBODY)
+            try:
+                said = action()
+            except client.PermissionDenied as err:
+                said = f"PermissionDenied {err}"
+            except OSError as err:
+                said = f"{type(err).__name__} {err}"
+            except BaseException:
+                said = traceback.format_exc()
+            os.write(w, said.encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    with os.fdopen(r) as f:
+        return f.read()
+
+
+def gather_digest(sock: str) -> str:
+    """Attach to table t and gather rows from it: a digest of what came back."""
+    with client.attach("t", socket=sock) as t:
+        return "attached " + hashlib.sha256(t.gather(ROWS).float().numpy().tobytes()).hexdigest()
+
+
+class GroupDaemon:
+    """`pled serve` as root with effective (and only) gid G."""
+
+    def __init__(self, cfg, gid: int):
+        env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "JOURNAL_STREAM")}
+        self.log_path = cfg.with_suffix(".log")
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "pled", "serve", "-c", str(cfg)], group=gid, extra_groups=[],
+                                     stderr=self._log, stdout=subprocess.DEVNULL, env=env)
+
+    def wait_for(self, text: str, timeout: float = 60) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            log = self.log_path.read_text()
+            if text in log:
+                return log
+            assert self.proc.poll() is None, f"pled exited ({self.proc.returncode}):\n{log}"
+            time.sleep(0.02)
+        raise AssertionError(f"{text!r} not logged:\n{self.log_path.read_text()}")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(timeout=30)
+        self._log.close()
+
+
+def open_up(sock: str) -> None:
+    """Let anyone reach the socket, so that pled's own check decides."""
+    os.chmod(os.path.dirname(sock), 0o755)
+    os.chmod(sock, 0o666)
+
+
+@pytest.fixture
+def run_dir():
+    """A directory nobody can traverse (tmp_path's parents are 0700); pled creates its socket directory inside."""
+    d = tempfile.mkdtemp(prefix="pled-access-", dir="/tmp")
+    os.chmod(d, 0o755)
+    yield d
+    shutil.rmtree(d)
+
+
+def start(tmp_path, sidecar, run_dir, gid: int, name: str, **keys) -> tuple[GroupDaemon, str]:
+    sock = os.path.join(run_dir, name, "pled.sock")
+    cfg = write_config(tmp_path / f"{name}.toml", {"t": sidecar(shards=2, rows=4000)}, socket=sock, headroom_margin=0, **keys)
+    d = GroupDaemon(cfg, gid)
+    d.wait_for("ready:")
+    return d, sock
+
+
+def test_members_of_pleds_group_attach_and_others_are_refused(sidecar, tmp_path, run_dir):
+    g = free_gid(61000)
+    pled, sock = start(tmp_path, sidecar, run_dir, g, "run")
+    try:
+        # The file system's part: socket 0660 and its directory 0750, both group G, as pled made them.
+        st, dst = os.stat(sock), os.stat(os.path.dirname(sock))
+        assert (st.st_mode & 0o777, st.st_gid, dst.st_mode & 0o777, dst.st_gid) == (0o660, g, 0o750, g)
+        # Supplementary group G only (primary gid 65534): the kernel's SO_PEERGROUPS says so, pled admits it.
+        member = as_user([g], lambda: gather_digest(sock))
+        # A peer in 300 groups, G last: more than Python's getsockopt buffer holds, read with a larger one.
+        many = as_user(list(range(70000, 70299)) + [g], lambda: gather_digest(sock))
+        assert member == many == as_user(None, lambda: gather_digest(sock))  # what root gathers
+        assert "table t generation 1 to pid" in pled.wait_for("uid 65534")
+
+        # The same uid without G: the socket's mode keeps it out...
+        assert "the socket's permissions refuse uid 65534" in as_user([], lambda: gather_digest(sock))
+        # ...and with the mode opened up, pled's own check refuses it.
+        open_up(sock)
+        said = as_user([g + 1], lambda: gather_digest(sock))
+        assert said.startswith("PermissionDenied") and "refused uid 65534: run it in pled's group" in said, said
+        assert "refused pid" in pled.wait_for("refused pid")
+    finally:
+        pled.stop()
+
+
+def test_allow_groups_widens_pleds_group(sidecar, tmp_path, run_dir):
+    g = free_gid(61000)
+    other = free_gid(g + 1)
+    pled, sock = start(tmp_path, sidecar, run_dir, g, "wide", allow_groups=[other])
+    try:
+        open_up(sock)  # so that the file system lets group `other` in and pled decides
+        assert as_user([other], lambda: gather_digest(sock)).startswith("attached")
+        assert as_user([other + 1], lambda: gather_digest(sock)).startswith("PermissionDenied")
+    finally:
+        pled.stop()
+
+
+def test_ids_a_private_user_namespace_does_not_map(tmp_path):
+    """PrivateUsers=yes maps root and pled's own ids only; an allow_uids entry outside that can never match."""
+    (tmp_path / "uid_map").write_text("         0          0          1\n       998        998          1\n")
+    (tmp_path / "gid_map").write_text("         0          0 4294967295\n")
+    from pled.access import unmapped_ids
+
+    assert unmapped_ids("uid", [0, 998, 1000], proc=str(tmp_path)) == {1000}
+    assert unmapped_ids("gid", [5, 1000], proc=str(tmp_path)) == set()
+    assert unmapped_ids("uid", [1000]) == set()  # this test's own namespace maps everything
