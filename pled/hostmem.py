@@ -64,9 +64,9 @@ def read_meminfo(root: str = "/") -> MemInfo | None:
     return MemInfo(fields["MemTotal"], fields["MemFree"], min(estimate, fields["MemTotal"]), estimated=True)
 
 
-def own_rss(root: str = "/") -> int:
-    """This process's resident memory (VmRSS), in bytes; 0 where /proc cannot tell."""
-    text = _read(_join(root, "/proc/self/status")) or ""
+def own_rss(root: str = "/", pid: int | str = "self") -> int:
+    """This process's (or ``pid``'s) resident memory (VmRSS), in bytes; 0 where /proc cannot tell."""
+    text = _read(_join(root, f"/proc/{pid}/status")) or ""
     for line in text.splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024

@@ -9,10 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 
 from conftest import Daemon, write_config
-from pled import client, protocol
+from pled import client, hostmem, protocol
 
 MiB = 1024**2
 RSS_BOUND = 24 * MiB  # what pled's RSS may grow by across an attack, once it is over
@@ -48,7 +47,7 @@ def start(tmp_path, tables: dict, name: str = "pled", wait: str = "ready:", **kw
 
 
 def rss(pid: int) -> int:
-    return psutil.Process(pid).memory_info().rss
+    return hostmem.own_rss(pid=pid)
 
 
 def raw(sock_path: str, payload: bytes, timeout: float = 10):
