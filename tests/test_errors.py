@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from pled import client, region, staging
+from pled import client, mapped_table, region, staging
 from pled.sidecar import open_table
 
 
@@ -134,7 +134,7 @@ def test_region_and_table_close_at_interpreter_exit(sidecar, monkeypatch):
     t = client.Table(os.dup(fd), 1, populate=False)
     tfd = t.fd
     monkeypatch.setattr(region, "os", None)
-    monkeypatch.setattr(client, "os", None)
+    monkeypatch.setattr(mapped_table, "os", None)  # where Table lives
     del r, t
     gc.collect()
     monkeypatch.undo()
