@@ -131,7 +131,7 @@ class Daemon:
                 os.close(item.fd)
             raise
         planned = planning.plan_tables(sidecars)
-        sorted_fds = fdstore.sort_stored(stored, planned, self.notifier)
+        sorted_fds = fdstore.adopt_stored(stored, planned, self.notifier)
         for name, sidecar in sidecars.items():
             t = TableState(name, sidecar, planned[name], generation=sorted_fds.generations.get(name, 1))
             if name in sorted_fds.adopted:
@@ -277,5 +277,3 @@ class Daemon:
             self.notifier.status(text)
             self._status_sent = text
 
-    def status(self) -> dict:
-        return self.handlers.status_dict()

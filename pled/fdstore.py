@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class Sorted:
+class Adopted:
     adopted: dict[str, tuple[Region, int]] = field(default_factory=dict)  # table -> (region, generation)
     generations: dict[str, int] = field(default_factory=dict)  # table -> generation a fresh staging gets
 
@@ -46,8 +46,10 @@ def describe_change(old: Manifest, new: Manifest) -> str:
     return "its layout changed"
 
 
-def sort_stored(stored: list[StoredFd], planned: dict[str, Manifest], notifier: Notifier) -> Sorted:
-    out = Sorted()
+def adopt_stored(stored: list[StoredFd], planned: dict[str, Manifest], notifier: Notifier) -> Adopted:
+    """The regions systemd kept for us: those that match what staging the files now would give are adopted,
+    every other one is removed from the store and closed."""
+    out = Adopted()
 
     def drop(fd: StoredFd, why: str) -> None:
         log.info("removing %s from the fd store: %s", fd.name, why)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from . import protocol, tables
 from .boundary import clip
-from .session import Connection
+from .session import Session
 from .server import PENDING, Reply
 
 if TYPE_CHECKING:
@@ -25,11 +25,11 @@ log = logging.getLogger(__name__)
 class Handlers:
     def __init__(self, daemon: "Daemon") -> None:
         self.d = daemon
-        self.waiters: dict[str, list[Connection]] = {}  # table -> connections waiting for it to be ready
+        self.waiters: dict[str, list[Session]] = {}  # table -> connections waiting for it to be ready
         self._methods = {protocol.PING: self.ping, protocol.STATUS: self.status, protocol.RELOAD: self.reload,
                          protocol.ATTACH: self.attach}
 
-    def __call__(self, conn: Connection, method: str, params: dict):
+    def __call__(self, conn: Session, method: str, params: dict):
         handler = self._methods.get(method)
         if handler is None:
             return Reply(protocol.error(protocol.METHOD_NOT_FOUND, method=clip(method, 200)))
@@ -37,13 +37,13 @@ class Handlers:
 
     # -- the methods -------------------------------------------------------------------------
 
-    def ping(self, conn: Connection, params: dict) -> Reply:
+    def ping(self, conn: Session, params: dict) -> Reply:
         return Reply(protocol.reply())
 
-    def status(self, conn: Connection, params: dict) -> Reply:
+    def status(self, conn: Session, params: dict) -> Reply:
         return Reply(protocol.reply(**self.status_dict()))
 
-    def reload(self, conn: Connection, params: dict):
+    def reload(self, conn: Session, params: dict):
         if conn.peer.uid not in (0, os.geteuid()):
             log.warning("refused io.pled.Reload from %s: only root and pled's own user may reload", conn.peer.describe())
             return Reply(protocol.error(protocol.PERMISSION_DENIED, uid=conn.peer.uid))
@@ -52,7 +52,7 @@ class Handlers:
             conn.pending += 1
         return result
 
-    def attach(self, conn: Connection, params: dict):
+    def attach(self, conn: Session, params: dict):
         name = params.get("table")
         if not isinstance(name, str):
             return Reply(protocol.error(protocol.INVALID_PARAMETER, parameter="table"))
@@ -69,7 +69,7 @@ class Handlers:
 
     # -- bookkeeping -------------------------------------------------------------------------
 
-    def answer(self, conn: Connection, reply: Reply) -> None:
+    def answer(self, conn: Session, reply: Reply) -> None:
         """The later reply to a call that got PENDING."""
         conn.pending = max(0, conn.pending - 1)
         if self.d.server is not None:
@@ -80,7 +80,7 @@ class Handlers:
         for conn in self.waiters.pop(t.name, []):
             self.answer(conn, self.attach_reply(conn, t))
 
-    def attach_reply(self, conn: Connection, t: "TableState") -> Reply:
+    def attach_reply(self, conn: Session, t: "TableState") -> Reply:
         first = t.name not in conn.attached
         conn.attached[t.name] = t.generation
         if first:
@@ -100,7 +100,7 @@ class Handlers:
         server = self.d.server
         return sum(1 for c in (server.connections.values() if server else ()) if c.attached.get(name) == generation)
 
-    def on_close(self, conn: Connection) -> None:
+    def on_close(self, conn: Session) -> None:
         for waiting in self.waiters.values():
             if conn in waiting:
                 waiting.remove(conn)
@@ -116,4 +116,4 @@ class Handlers:
         return tables.status_reply(started=self.d.started, socket=self.d.config.socket,
                                    tables=list(self.d.tables.values()),
                                    connections=server.connections.values() if server else (),
-                                   reload=self.d.reloader.status())
+                                   reload=self.d.reloader.progress())

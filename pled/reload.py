@@ -23,7 +23,7 @@ from . import notify, planning, protocol
 from .access import Policy
 from .boundary import clip
 from .config import Config
-from .session import Connection
+from .session import Session
 from .errors import PledError
 from .server import PENDING, Reply
 from .tables import TableState
@@ -42,7 +42,7 @@ class Reload:
     tables: dict[str, TableState] = field(default_factory=dict)  # new or changed tables, staging
     unchanged: list[str] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
-    callers: list[Connection] = field(default_factory=list)
+    callers: list[Session] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
 
     def summary(self, old: dict[str, TableState]) -> dict:
@@ -59,7 +59,7 @@ class Reloader:
         self.current: Reload | None = None
         self.again = False  # a SIGHUP came while a reload or the first staging was under way
 
-    def begin(self, caller: Connection | None):
+    def begin(self, caller: Session | None):
         """Start a reload; returns PENDING (the caller is answered later), an error Reply, or None (SIGHUP)."""
         d = self.d
         if self.current is not None or not d.ready:
@@ -159,19 +159,19 @@ class Reloader:
         log.error("reload failed, nothing changed: %s", why)
         self._after(callers, Reply(protocol.error(protocol.RELOAD_FAILED, reason=clip(why, 2000))))
 
-    def _after(self, callers: list[Connection], reply: Reply) -> None:
+    def _after(self, callers: list[Session], reply: Reply) -> None:
         for conn in callers:
             self.d.handlers.answer(conn, reply)
         self.d.announce_ready()  # READY=1 again, and a reload that was asked for meanwhile
 
-    def forget(self, conn: Connection) -> None:
+    def forget(self, conn: Session) -> None:
         if self.current is not None and conn in self.current.callers:
             self.current.callers.remove(conn)
 
     def staging(self) -> list[TableState]:
         return list(self.current.tables.values()) if self.current else []
 
-    def status(self) -> dict | None:
+    def progress(self) -> dict | None:
         r = self.current
         if r is None:
             return None

@@ -24,11 +24,11 @@ from typing import Callable
 from . import fdlimit, protocol
 from .access import Policy, peer_of
 from .boundary import clip
-from .session import CALL_TIMEOUT, MAX_FDS_PER_CONNECTION, MAX_UNREAD, MAX_UNREAD_PER_UID, Connection
+from .session import CALL_TIMEOUT, MAX_FDS_PER_CONNECTION, MAX_UNREAD, MAX_UNREAD_PER_UID, Session
 from .listener import SocketInUse, bind
 from .throttle import Throttle
 
-__all__ = ["CALL_TIMEOUT", "Connection", "PENDING", "Reply", "Server", "SocketInUse"]
+__all__ = ["CALL_TIMEOUT", "Session", "PENDING", "Reply", "Server", "SocketInUse"]
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +45,11 @@ class Reply:
     close_after: bool = False
 
 
-Handler = Callable[[Connection, str, dict], "Reply | object"]
+Handler = Callable[[Session, str, dict], "Reply | object"]
 
 
 class Server:
-    def __init__(self, path: str, policy: Policy, handler: Handler, on_close: Callable[[Connection], None], *,
+    def __init__(self, path: str, policy: Policy, handler: Handler, on_close: Callable[[Session], None], *,
                  max_connections: int = MAX_CONNECTIONS, max_fds_per_uid: int = 256) -> None:
         self.path = path
         self.policy = policy
@@ -58,7 +58,7 @@ class Server:
         self.max_connections = max_connections
         self.max_fds_per_uid = max_fds_per_uid
         self.listener = bind(path)
-        self.connections: dict[int, Connection] = {}
+        self.connections: dict[int, Session] = {}
         self._sel: selectors.BaseSelector | None = None
         self._paused_until: float | None = None  # the listener rests while no fd is free
         self._throttle = Throttle()
@@ -112,7 +112,7 @@ class Server:
             except OSError:
                 sock.close()
                 continue
-            conn = Connection(sock, peer, self.policy.allows(peer))
+            conn = Session(sock, peer, self.policy.allows(peer))
             self.connections[conn.fd] = conn
             self._sel.register(sock, selectors.EVENT_READ, lambda mask, c=conn: self._ready(c, mask))
             log.debug("client connected: %s", peer.describe())
@@ -144,7 +144,7 @@ class Server:
 
     # -- reading and dispatching -------------------------------------------------------------
 
-    def _ready(self, conn: Connection, mask: int) -> None:
+    def _ready(self, conn: Session, mask: int) -> None:
         try:
             if mask & selectors.EVENT_WRITE:
                 self._flush(conn)
@@ -157,10 +157,10 @@ class Server:
                                conn.peer.describe(), clip(err))
             self._drop(conn, None)
 
-    def _live(self, conn: Connection) -> bool:
+    def _live(self, conn: Session) -> bool:
         return self.connections.get(conn.fd) is conn and not conn.closing
 
-    def _read(self, conn: Connection) -> None:
+    def _read(self, conn: Session) -> None:
         try:
             data = conn.sock.recv(65536)
         except (BlockingIOError, InterruptedError):
@@ -186,11 +186,11 @@ class Server:
             conn.stalled_since = time.monotonic()
         self._pump(conn)
 
-    def resume(self, conn: Connection) -> None:
+    def resume(self, conn: Session) -> None:
         """A waiting call was answered: handle the calls received behind it (replies keep call order)."""
         self._ready(conn, 0)
 
-    def _pump(self, conn: Connection) -> None:
+    def _pump(self, conn: Session) -> None:
         """Handle received calls while no reply waits to be read and no call waits for its answer (replies go
         out in call order: docs/protocol.md); then watch for what comes next."""
         while conn.inbox and not conn.out and not conn.pending and self._live(conn):
@@ -198,7 +198,7 @@ class Server:
             self._dispatch(conn, conn.inbox.popleft())
         self._watch(conn)
 
-    def _watch(self, conn: Connection) -> None:
+    def _watch(self, conn: Session) -> None:
         """Write while a reply waits; read only when none does: a peer that does not read its replies gets
         no more of them, and its calls wait in its own socket buffer."""
         if self._sel is None or self.connections.get(conn.fd) is not conn:
@@ -208,7 +208,7 @@ class Server:
         if key.events != want:
             self._sel.modify(conn.sock, want, key.data)
 
-    def _dispatch(self, conn: Connection, raw: bytes) -> None:
+    def _dispatch(self, conn: Session, raw: bytes) -> None:
         if not conn.allowed:
             log.warning("refused %s: not root, not pled's user or group, not in allow_uids or allow_groups", conn.peer.describe())
             self.send(conn, Reply(protocol.error(protocol.PERMISSION_DENIED, uid=conn.peer.uid), close_after=True))
@@ -228,13 +228,13 @@ class Server:
         if result is not PENDING:
             self.send(conn, result)
 
-    def _fail(self, conn: Connection, name: str, reason: str) -> None:
+    def _fail(self, conn: Session, name: str, reason: str) -> None:
         self._throttle.log(("fail", conn.peer.uid), log.warning, "dropping %s: %s", conn.peer.describe(), clip(reason))
         self.send(conn, Reply(protocol.error(name, reason=clip(reason)), close_after=True))
 
     # -- replies -----------------------------------------------------------------------------
 
-    def send(self, conn: Connection, reply: Reply) -> None:
+    def send(self, conn: Session, reply: Reply) -> None:
         if self._sel is None or conn.fd not in self.connections or self.connections[conn.fd] is not conn or conn.closing:
             return  # shutting down, or the peer is gone
         try:
@@ -255,7 +255,7 @@ class Server:
     def _unread_of(self, uid: int) -> int:
         return sum(c.out_bytes for c in self.connections.values() if c.peer.uid == uid)
 
-    def _room_for_fds(self, conn: Connection, n: int) -> bool:
+    def _room_for_fds(self, conn: Session, n: int) -> bool:
         """Bound the region fds sent and not yet received, per connection and per peer uid; past a bound the
         greediest connection goes, named, and the others are unaffected."""
         mine = conn.fds_in_flight()
@@ -272,7 +272,7 @@ class Server:
                 return False
         return True
 
-    def _flush(self, conn: Connection) -> None:
+    def _flush(self, conn: Session) -> None:
         while conn.out:
             chunk, fds = conn.out[0]
             try:
@@ -298,7 +298,7 @@ class Server:
                 return
         self._watch(conn)
 
-    def _too_many_refs(self, conn: Connection) -> None:
+    def _too_many_refs(self, conn: Session) -> None:
         """The kernel refuses more fds in flight for pled's user: the connection holding most of them goes."""
         holders = [c for c in self.connections.values() if c is not conn]
         greedy = max(holders, key=lambda c: c.fds_in_flight(), default=None)
@@ -309,7 +309,7 @@ class Server:
         if greedy is not conn and self._live(conn):
             self._watch(conn)  # try again when writable
 
-    def _drop(self, conn: Connection, why: str | None) -> None:
+    def _drop(self, conn: Session, why: str | None) -> None:
         if self.connections.get(conn.fd) is not conn:
             return
         del self.connections[conn.fd]

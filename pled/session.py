@@ -1,4 +1,4 @@
-"""One client's connection: who it is, the calls it sent, the replies it has not read, the fds in flight to it.
+"""One client's session (its connection, server side): who it is, the calls it sent, the replies it has not read, the fds in flight to it.
 
 Replies are written as the peer reads them. While a reply waits, pled reads no further calls from that
 peer (the kernel's socket buffers hold them, and the peer's writes block), so one connection holds at most
@@ -35,7 +35,7 @@ def unsent_in_kernel(sock: socket.socket) -> int:
 
 
 @dataclass(eq=False)
-class Connection:
+class Session:
     sock: socket.socket
     peer: Peer
     allowed: bool

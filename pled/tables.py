@@ -66,7 +66,7 @@ class TableState:
                  (("missing", missing), ("changed", changed), ("unreadable", unreadable)) if names]
         return "; ".join(parts) or "unchanged"
 
-    def status(self) -> dict:
+    def describe(self) -> dict:
         out = {
             **self.progress(), "origin": self.origin, "layout": self.manifest.layout, "rows": self.manifest.rows,
             "row_width": self.manifest.row_width, "region_bytes": self.manifest.region_bytes,
@@ -118,5 +118,5 @@ def status_reply(*, started: float, socket: str, tables: list[TableState], conne
     ]
     return {
         "version": __version__, "pid": os.getpid(), "uptime_seconds": round(time.monotonic() - started, 1),
-        "socket": socket, "tables": [t.status() for t in tables], "clients": clients, "reload": reload,
+        "socket": socket, "tables": [t.describe() for t in tables], "clients": clients, "reload": reload,
     }

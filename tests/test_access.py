@@ -12,15 +12,14 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 
 import pytest
 import torch
 
 from conftest import write_config
+from forked import as_user
 from pled import client
 
-NOBODY = 65534
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run pled and clients as other ids")
 ROWS = torch.arange(0, 8000, 13)
 
@@ -33,35 +32,6 @@ def free_gid(start: int) -> int:
         except KeyError:
             return gid
         gid += 1
-
-
-def as_user(groups: list[int] | None, action) -> str:
-    """Run action() in a forked child that is uid/gid 65534 with exactly `groups` as supplementary groups
-    (None: stays root). Every gather runs in a child: torch's thread pool does not survive a fork."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(r)
-            if groups is not None:
-                os.setgroups(groups)
-                os.setgid(NOBODY)
-                os.setuid(NOBODY)
-            try:
-                said = action()
-            except client.PermissionDenied as err:
-                said = f"PermissionDenied {err}"
-            except OSError as err:
-                said = f"{type(err).__name__} {err}"
-            except BaseException:
-                said = traceback.format_exc()
-            os.write(w, said.encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    os.waitpid(pid, 0)
-    with os.fdopen(r) as f:
-        return f.read()
 
 
 def gather_digest(sock: str) -> str:
@@ -127,17 +97,17 @@ def test_members_of_pleds_group_attach_and_others_are_refused(sidecar, tmp_path,
         st, dst = os.stat(sock), os.stat(os.path.dirname(sock))
         assert (st.st_mode & 0o777, st.st_gid, dst.st_mode & 0o777, dst.st_gid) == (0o660, g, 0o750, g)
         # Supplementary group G only (primary gid 65534): the kernel's SO_PEERGROUPS says so, pled admits it.
-        member = as_user([g], lambda: gather_digest(sock))
+        member = as_user(lambda: gather_digest(sock), [g])
         # A peer in 300 groups, G last: more than Python's getsockopt buffer holds, read with a larger one.
-        many = as_user(list(range(70000, 70299)) + [g], lambda: gather_digest(sock))
-        assert member == many == as_user(None, lambda: gather_digest(sock))  # what root gathers
+        many = as_user(lambda: gather_digest(sock), list(range(70000, 70299)) + [g])
+        assert member == many == as_user(lambda: gather_digest(sock), None)  # what root gathers
         assert "table t generation 1 to pid" in pled.wait_for("uid 65534")
 
         # The same uid without G: the socket's mode keeps it out...
-        assert "the socket's permissions refuse uid 65534" in as_user([], lambda: gather_digest(sock))
+        assert "the socket's permissions refuse uid 65534" in as_user(lambda: gather_digest(sock), [])
         # ...and with the mode opened up, pled's own check refuses it.
         open_up(sock)
-        said = as_user([g + 1], lambda: gather_digest(sock))
+        said = as_user(lambda: gather_digest(sock), [g + 1])
         assert said.startswith("PermissionDenied") and "refused uid 65534: run it in pled's group" in said, said
         assert "refused pid" in pled.wait_for("refused pid")
     finally:
@@ -150,8 +120,8 @@ def test_allow_groups_widens_pleds_group(sidecar, tmp_path, run_dir):
     pled, sock = start(tmp_path, sidecar, run_dir, g, "wide", allow_groups=[other])
     try:
         open_up(sock)  # so that the file system lets group `other` in and pled decides
-        assert as_user([other], lambda: gather_digest(sock)).startswith("attached")
-        assert as_user([other + 1], lambda: gather_digest(sock)).startswith("PermissionDenied")
+        assert as_user(lambda: gather_digest(sock), [other]).startswith("attached")
+        assert as_user(lambda: gather_digest(sock), [other + 1]).startswith("PermissionDenied")
     finally:
         pled.stop()
 

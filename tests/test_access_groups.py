@@ -8,32 +8,10 @@ import tempfile
 
 import pytest
 
+from forked import as_user
 from pled import client
 
 GROUP = 4242  # a gid nobody has: only the child's setgroups gives it
-
-
-def attach_as_nobody(sock: str, groups: list[int]) -> str:
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(r)
-            os.setgroups(groups)
-            os.setgid(65534)
-            os.setuid(65534)
-            try:
-                client.attach("t", socket=sock, populate=False).close()
-                said = "attached"
-            except client.ClientError as err:
-                said = f"{type(err).__name__}: {err}"
-            os.write(w, said.encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    os.waitpid(pid, 0)
-    with os.fdopen(r) as f:
-        return f.read()
 
 
 @pytest.mark.parametrize("groups,expected", [([GROUP], "attached"), ([5151, GROUP], "attached"), ([], "PermissionDenied"),
@@ -47,7 +25,7 @@ def test_a_supplementary_group_in_allow_groups_may_attach(sidecar, daemon, group
         sock = os.path.join(run, "pled.sock")
         pled = daemon({"t": sidecar(shards=1, rows=10)}, socket=sock, allow_groups=[GROUP])
         os.chmod(sock, 0o666)  # the kernel lets anyone connect; pled's own policy decides
-        said = attach_as_nobody(sock, groups)
+        said = as_user(lambda: client.attach("t", socket=sock, populate=False).close() or "attached", groups)
         assert said.startswith(expected), said
         if expected == "PermissionDenied":
             assert "refused pid" in pled.wait_for("uid 65534")

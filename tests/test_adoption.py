@@ -22,7 +22,7 @@ def staged(sidecar):
 
 def sort(d, fds, caplog):
     caplog.set_level(logging.INFO, logger="pled.fdstore")
-    return fdstore.sort_stored(fds, {"t": region.plan("t", open_table(str(d)))}, Notifier({}))
+    return fdstore.adopt_stored(fds, {"t": region.plan("t", open_table(str(d)))}, Notifier({}))
 
 
 def test_the_same_files_are_adopted(staged, caplog):

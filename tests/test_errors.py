@@ -9,34 +9,9 @@ import textwrap
 
 import pytest
 
+from forked import as_user
 from pled import client, mapped_table, region, staging
 from pled.sidecar import open_table
-
-
-def as_nobody(fn) -> str:
-    """Run ``fn()`` in a forked child as uid/gid 65534 with no groups; return what it returned (a str), or the
-    name and text of the exception it raised."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to run a process as another uid")
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(65534)
-            os.setuid(65534)
-            try:
-                said = str(fn())
-            except BaseException as err:  # noqa: BLE001 - the test reports whatever escaped
-                said = f"RAISED {type(err).__name__}: {err}"
-            os.write(w, said.encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    os.waitpid(pid, 0)
-    with os.fdopen(r) as f:
-        return f.read()
 
 
 @pytest.fixture
@@ -62,7 +37,7 @@ def test_an_unreadable_huge_page_setting_is_reported_as_such(tmp_path, open_dir)
         with staging.stage("t", open_table(os.path.join(open_dir, "sc")), sys_root=str(tmp_path)) as r:
             return f"{r.stats.fill.policy} | {r.stats.fill.note}"
 
-    said = as_nobody(stage_and_tell)
+    said = as_user(stage_and_tell)
     assert said.startswith("unreadable | cannot read ") and "shmem_enabled (Permission denied)" in said, said
     assert "no transparent huge pages" not in said
     # Root reads the same tree: advise.
@@ -86,7 +61,7 @@ def test_verify_without_read_access_to_the_sources_is_one_line(sidecar, daemon, 
         rc = verify(pled.socket, out=io.StringIO())
         return f"{rc} | {err.getvalue()}"
 
-    said = as_nobody(verify_as_nobody)
+    said = as_user(verify_as_nobody)
     rc, _, text = said.partition(" | ")
     assert rc == "1", said
     assert text.count("\n") == 1 and text.startswith("pled verify: cannot read ") and "Permission denied" in text, said
