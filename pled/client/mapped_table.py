@@ -164,7 +164,7 @@ class Table:
 
         g = self._gather_for()
         g.reserve(rows)
-        g.gather(torch.linspace(0, self.manifest.rows - 1, rows).to(torch.int64), dtype=torch.bfloat16)
+        g.gather(spread_ids(self.manifest.rows, rows, torch), dtype=torch.bfloat16)
 
     @property
     def scratch(self) -> "Scratch | None":
@@ -224,6 +224,12 @@ def _make_view(buffer: mmap.mmap, entry: region.TensorEntry) -> "torch.Tensor":
     with warnings.catch_warnings():  # the buffer is read-only on purpose: the mapping is PROT_READ
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(buffer, dtype=dtype, count=count, offset=entry.offset).reshape(entry.shape)
+
+
+def spread_ids(total: int, n: int, torch) -> "torch.Tensor":
+    """``n`` row ids spread evenly over [0, total), first and last included, in integer arithmetic (a float32
+    linspace rounds the last id of a table of 42,949,664 rows up to 42,949,664, past the end)."""
+    return torch.arange(n, dtype=torch.int64) * (total - 1) // max(n - 1, 1)
 
 
 class TensorViews(Mapping):
