@@ -39,9 +39,16 @@ def _meminfo(key: str) -> int:
     return 0
 
 
+def _link(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except FileNotFoundError:  # closed since the directory was listed: pled's clients come and go all the time
+        return ""
+
+
 def _proc(pid: int) -> dict:
     fds = os.listdir(f"/proc/{pid}/fd")
-    memfds = sum(1 for fd in fds if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:"))
+    memfds = sum(1 for fd in fds if _link(f"/proc/{pid}/fd/{fd}").startswith("/memfd:"))
     status = {line.split(":")[0]: (line.split() + ["0", "0"])[1] for line in open(f"/proc/{pid}/status") if ":" in line}
     return {"rss": int(status["VmRSS"]) * 1024, "rss_shmem": int(status.get("RssShmem", 0)) * 1024, "fds": len(fds),
             "memfds": memfds, "shmem": _meminfo("Shmem")}
