@@ -26,11 +26,11 @@ from pathlib import Path
 
 from bench import report
 from bench import offload, table_gather, soak  # sections 5, 6, 7 of the report, in this order
-from pled import staging
+from pled.daemon import staging
 from pled.generator import make_sidecar
-from pled.hugepages import THP
-from pled.pagecache import cached_bytes
-from pled.sidecar import open_table
+from pled.shared.hugepages import THP
+from pled.shared.pagecache import cached_bytes
+from pled.daemon.sidecar import open_table
 
 GiB = 1024**3
 MiB = 1024**2

@@ -4,7 +4,7 @@
     python -m bench.gather_worker pled TABLE --socket S [--no-populate]
 
 A request is ``ids`` random global row ids (16 ids per token, 512 tokens), gathered and dequantized
-with numpy (pled.dequant), the way a CPU dequant worker would. Each request's rows/s is timed alone.
+with numpy (pled.shared.dequant), the way a CPU dequant worker would. Each request's rows/s is timed alone.
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import time
 
 import numpy as np
 
-from pled import dequant
-from pled.sidecar import open_table
+from pled.shared import dequant
+from pled.daemon.sidecar import open_table
 
 
 def shard_tensors_from_files(directory: str) -> tuple[list[dict], list[int], str]:

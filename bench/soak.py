@@ -62,7 +62,7 @@ def _connect(path: str, timeout: float = 5.0) -> socket.socket:
 
 
 def _attacker(kind: str, path: str, stop: threading.Event, counts: dict) -> None:
-    from pled import protocol
+    from pled.shared import protocol
 
     rng = random.Random(kind)
     held: list[socket.socket] = []
@@ -124,7 +124,8 @@ def _settle(pid: int, before: dict, timeout: float = 20.0) -> dict:
 
 
 def run(work: Path, seconds: float = 120.0, reload_every: float = 3.0, good_clients: int = 2) -> dict:
-    from pled import client, protocol
+    from pled import client
+    from pled.shared import protocol
     from pled.generator import make_sidecar
 
     a, b = work / "soak-a", work / "soak-b"

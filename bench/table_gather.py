@@ -171,7 +171,6 @@ def report_lines(res: dict) -> list[str]:
                          f"{c['faults_after_first']['median']:.0f} ({c['faults_after_first']['max']:.0f}) |")
     lines += [""]
     for pages, block in tg.items():
-        ratio = block["cases"]["Table.gather"]["first_over_asymptote"]
         runs = ", ".join(f"{r['first_over_asymptote']:.2f}" for r in block["cases"]["Table.gather"]["runs"])
         lines.append(f"- {pages}: Table.gather's rows/s at {_fmt(block['speedup_over_op_chain'])}x the op chain's and "
                      f"{_fmt(block['speedup_over_numpy'])}x the numpy worker's (asymptotes, per repeat); first / "

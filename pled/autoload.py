@@ -1,7 +1,7 @@
 """pled's start-up hook, imported by ``pled-autoload.pth`` in every interpreter of the environment pled is
 installed in, where ``PLED_SOCKET`` is set and ``PLED_AUTOLOAD`` is not ``0``.
 
-It installs the import hook the vLLM plugin installs (pled.vllm_plugin.register), so a process that never
+It installs the import hook the vLLM plugin installs (pled.client.vllm_plugin.register), so a process that never
 loads vLLM's plugins (the PLE offload worker, started with multiprocessing's spawn) also reads the files
 pled holds from shared memory through ``safetensors.safe_open``. It imports nothing else: no torch, no
 vLLM, no socket is opened until a file is asked for. Whatever goes wrong here is one line on stderr; the
@@ -15,7 +15,7 @@ def run() -> None:
     if not os.environ.get("PLED_SOCKET") or os.environ.get("PLED_AUTOLOAD", "1") == "0":
         return
     try:
-        from pled import vllm_plugin
+        from pled.client import vllm_plugin
 
         vllm_plugin.register()
     except Exception as err:  # never stop an interpreter from starting

@@ -7,23 +7,24 @@ import logging
 import os
 import sys
 
-from . import __version__, logs
+from pled import __version__
+from pled.daemon import logs
 
 try:
-    from . import config as config_mod
+    from pled.daemon import config as config_mod
 except ImportError as err:  # pled[client] alone: the library and the vLLM plugin, not the command
     raise SystemExit(f"pled: the pled command needs the daemon's dependencies ({err.name} is missing): "
                      "pip install 'pled[daemon]'") from None
-from .layouts import LAYOUTS
-from .errors import EX_CONFIG, EX_INTERRUPTED, EX_NOT_RUNNING, EX_USAGE, PledError
+from pled.shared.layouts import LAYOUTS
+from pled.shared.errors import EX_CONFIG, EX_INTERRUPTED, EX_NOT_RUNNING, EX_USAGE, PledError
 
 log = logging.getLogger("pled")
 
 
 def _inspect(args) -> int:
-    from . import region
-    from .sidecar import open_table
-    from .sizes import gib
+    from pled.shared import region
+    from pled.daemon.sidecar import open_table
+    from pled.shared.sizes import gib
 
     sidecar = open_table(args.path)
     manifest = region.plan("inspect", sidecar)
@@ -40,7 +41,7 @@ def _inspect(args) -> int:
         print(f"  row width  {sidecar.row_width}")
     print(f"  bytes      {sidecar.nbytes} ({gib(sidecar.nbytes)}); region {manifest.region_bytes} ({gib(manifest.region_bytes)}) with alignment")
     if sidecar.meta:
-        from .sidecar_meta import other_keys
+        from pled.daemon.sidecar_meta import other_keys
 
         said = [f"{k} = {json.dumps(sidecar.meta[k])}" for k in ("layout", "shards", "rows", "width") if k in sidecar.meta]
         print(f"  META.json  {', '.join(said) or 'no identity keys'} (checked against the shards)")
@@ -52,7 +53,7 @@ def _inspect(args) -> int:
 
 
 def _preflight(args) -> int:
-    from .planning import open_tables, plan_tables, run_preflight
+    from pled.daemon.planning import open_tables, plan_tables, run_preflight
 
     config = config_mod.load(args.config)
     verdict = run_preflight(config, plan_tables(open_tables(config)))
@@ -66,14 +67,14 @@ def _preflight(args) -> int:
 
 
 def _serve(args) -> int:
-    from .daemon import Daemon
+    from pled.daemon.lifecycle import Daemon
 
     return Daemon(config_mod.load(args.config)).run()
 
 
 def _call(args, method: str, command: str) -> tuple[dict | None, int]:
     """One call to the daemon for a command: (reply, 0), or (None, exit status) with the error printed."""
-    from . import client
+    from pled import client
 
     try:
         return client.call(method, socket=_socket_for(args), timeout=args.timeout), 0
@@ -83,8 +84,8 @@ def _call(args, method: str, command: str) -> tuple[dict | None, int]:
 
 
 def _status(args) -> int:
-    from . import protocol
-    from .sizes import gib
+    from pled.shared import protocol
+    from pled.shared.sizes import gib
 
     st, failed = _call(args, protocol.STATUS, "status")
     if st is None:
@@ -116,7 +117,8 @@ def _status(args) -> int:
 
 
 def _socket_for(args) -> str:
-    from . import client, protocol
+    from pled import client
+    from pled.shared import protocol
 
     path = args.socket or os.environ.get(client.ENV_SOCKET)
     if path is None:
@@ -130,7 +132,7 @@ def _socket_for(args) -> str:
 
 
 def _reload(args) -> int:
-    from . import protocol
+    from pled.shared import protocol
 
     result, failed = _call(args, protocol.RELOAD, "reload")
     if result is None:
@@ -146,19 +148,19 @@ def _reload(args) -> int:
 
 
 def _verify(args) -> int:
-    from .verify import verify
+    from pled.verify import verify
 
     return verify(_socket_for(args), args.table)
 
 
 def _demo(args) -> int:
-    from .demo import run
+    from pled.demo import run
 
     return run(layout=args.layout, shards=args.shards, rows=args.rows, keep=args.keep)
 
 
 def _make_sidecar(args) -> int:
-    from .generator import make_sidecar
+    from pled.generator import make_sidecar
 
     try:
         paths = make_sidecar(args.dir, args.layout, shards=args.shards, rows=args.rows, width=args.width, seed=args.seed)

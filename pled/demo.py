@@ -9,12 +9,13 @@ import time
 
 import numpy as np
 
-from . import dequant, preflight, region, staging
-from .errors import EX_CONFIG
-from .generator import make_sidecar
-from .pagecache import cached_bytes
-from .sidecar import open_table
-from .sizes import gib, rate
+from pled.shared import dequant, region
+from pled.daemon import preflight, staging
+from pled.shared.errors import EX_CONFIG
+from pled.generator import make_sidecar
+from pled.shared.pagecache import cached_bytes
+from pled.daemon.sidecar import open_table
+from pled.shared.sizes import gib, rate
 
 
 def _tensors(buffer, entries, shard: int, base: int = 0) -> dict[str, np.ndarray]:

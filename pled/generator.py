@@ -3,7 +3,7 @@ published form.
 
 Values are real quantized data: every code dequantizes to a finite number
 (fp8 codes skip the NaN patterns, scales are positive), so tests and benchmarks
-can check rows end to end against pled.dequant.
+can check rows end to end against pled.shared.dequant.
 """
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import os
 
 import numpy as np
 
-from . import layouts
-from .safetensors_file import write
-from .sidecar_meta import PUBLISHED_LAYOUT
+from pled.shared import layouts
+from pled.daemon.safetensors_file import write
+from pled.daemon.sidecar_meta import PUBLISHED_LAYOUT
 
 
 def _fp8_codes(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
@@ -62,7 +62,7 @@ def make_sidecar(directory: str, layout: str = "ples_int4", shards: int = 4, row
                      for n, d, s, a in shard_tensors(layout, rows, width, rng)],
               metadata={"format": "pt", "layout": layout})
         paths.append(path)
-    # The published form (see pled.sidecar_meta): its layout string, shards, rows in all, width; then ours.
+    # The published form (see pled.daemon.sidecar_meta): its layout string, shards, rows in all, width; then ours.
     meta = {"layout": PUBLISHED_LAYOUT[layout], "shards": shards, "rows": rows * shards, "width": width,
             "rows_per_shard": rows, "seed": seed, "generator": "pled make-sidecar", "digests": digests}
     with open(os.path.join(directory, "META.json"), "w", encoding="utf-8") as f:

@@ -10,10 +10,11 @@ import os
 import sys
 import time
 
-from . import client, protocol
-from .digests import hash_bytes
-from .errors import EX_NOT_RUNNING
-from .sizes import gib, rate
+from pled import client
+from pled.shared import protocol
+from pled.shared.digests import hash_bytes
+from pled.shared.errors import EX_NOT_RUNNING
+from pled.shared.sizes import gib, rate
 
 CHUNK = 16 * 1024 * 1024
 

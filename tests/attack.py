@@ -11,7 +11,9 @@ from pathlib import Path
 
 
 from conftest import Daemon, write_config
-from pled import client, hostmem, protocol
+from pled import client
+from pled.daemon import hostmem
+from pled.shared import protocol
 
 MiB = 1024**2
 RSS_BOUND = 24 * MiB  # what pled's RSS may grow by across an attack, once it is over

@@ -36,7 +36,7 @@ import encodings.ascii  # noqa: F401  (codecs are imported lazily; the container
 import torch
 
 from pled import client
-from pled import gather as _gather  # noqa: F401  (imported now, while the interpreter is readable)
+from pled.client import gather as _gather  # noqa: F401  (imported now, while the interpreter is readable)
 
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x10000000, 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND = 1, 2, 4, 8, 32, 4096

@@ -1,4 +1,4 @@
-"""Adopting a region systemd kept (pled/fdstore.py): only one that is sealed and planned from the very same files.
+"""Adopting a region systemd kept (pled/daemon/fdstore.py): only one that is sealed and planned from the very same files.
 
 Real memfds and files; the Notifier has no NOTIFY_SOCKET, so FDSTOREREMOVE goes nowhere."""
 import logging
@@ -7,9 +7,10 @@ import shutil
 
 import pytest
 
-from pled import fdstore, region, staging
-from pled.notify import Notifier, StoredFd
-from pled.sidecar import open_table
+from pled.daemon import fdstore, staging
+from pled.shared import region
+from pled.daemon.notify import Notifier, StoredFd
+from pled.daemon.sidecar import open_table
 
 
 @pytest.fixture
@@ -21,7 +22,7 @@ def staged(sidecar):
 
 
 def sort(d, fds, caplog):
-    caplog.set_level(logging.INFO, logger="pled.fdstore")
+    caplog.set_level(logging.INFO, logger="pled.daemon.fdstore")
     return fdstore.adopt_stored(fds, {"t": region.plan("t", open_table(str(d)))}, Notifier({}))
 
 

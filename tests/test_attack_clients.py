@@ -4,13 +4,12 @@ import errno
 import os
 import resource
 import socket
-import threading
 import time
 
 import pytest
 
 from attack import assert_serving, baseline, raw, start
-from pled import protocol
+from pled.shared import protocol
 
 
 @pytest.fixture(autouse=True)
@@ -78,7 +77,7 @@ def test_3_accept_rests_while_no_fd_is_free(tmp_path, sidecar, pleds):
     """The cap is what keeps pled below its fd limit; with it lifted, accept() hits EMFILE: the listener must
     rest (not spin, not log a line per try) and take clients again once fds are free."""
     d = sidecar(shards=4, rows=64)
-    pled = start(tmp_path, {"t1": d}, nofile=256, patch="import pled.fdlimit as f; f.max_connections = lambda n: 4096")
+    pled = start(tmp_path, {"t1": d}, nofile=256, patch="import pled.daemon.fdlimit as f; f.max_connections = lambda n: 4096")
     pleds.append(pled)
     before = baseline(pled, "t1")
     idle = idle_connections(pled.socket, 400)
@@ -120,7 +119,7 @@ def test_5_fds_in_flight_are_bounded_per_connection(tmp_path, sidecar, pleds):
     Kernel 6.18 here does not count memfds, so what this test can show is pled's own bound: an attacker
     receives at most MAX_FDS_PER_CONNECTION fds and is dropped, named, and others attach meanwhile."""
     try:
-        from pled.session import MAX_FDS_PER_CONNECTION
+        from pled.daemon.session import MAX_FDS_PER_CONNECTION
     except ImportError:  # today's main, which has no such bound
         MAX_FDS_PER_CONNECTION = 16
 

@@ -14,7 +14,8 @@ import pytest
 
 from attack import assert_serving, baseline, start
 from conftest import run_pled, write_config
-from pled import client, protocol
+from pled import client
+from pled.shared import protocol
 
 SHARD = "shard_1.safetensors"
 
@@ -139,7 +140,7 @@ def served(tmp_path, sidecar):
 def test_2_6_7_a_reload_onto_bad_files_fails_and_changes_nothing(tmp_path, served):
     pled, d = served
     before = baseline(pled, "t1")
-    cfg = pled.config
+    cfg = pled.daemon.config
     good = cfg.read_text()
     for case, (how, words) in BAD_SHARDS.items():
         bad = broken_copy(d, tmp_path / f"bad-{case.replace(' ', '_').replace('/', '_')}", how)
@@ -197,7 +198,7 @@ def test_7_a_slow_sidecar_in_a_reload_delays_no_client(tmp_path, sidecar):
     try:
         gate = tmp_path / (slow.name + ".gate")
         gate.touch()
-        pled.config.write_text(pled.config.read_text() + f'[[table]]\nname = "slow"\npath = "{slow}"\n')
+        pled.daemon.config.write_text(pled.daemon.config.read_text() + f'[[table]]\nname = "slow"\npath = "{slow}"\n')
         reload = subprocess.Popen([sys.executable, "-m", "pled", "reload", "--socket", pled.socket],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         time.sleep(1)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from conftest import write_config
-from pled import region
-from pled.sidecar import open_table
+from pled.shared import region
+from pled.daemon.sidecar import open_table
 
 MiB = 1024**2
 

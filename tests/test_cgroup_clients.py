@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 
 from conftest import run_pled, write_config
-from pled import client, region
-from pled.sidecar import open_table
+from pled import client
+from pled.shared import region
+from pled.daemon.sidecar import open_table
 from test_cgroup import _drop_page_cache, _oom_kills, _serve_in, memcg  # noqa: F401  (memcg is a fixture)
 
 MiB = 1024**2

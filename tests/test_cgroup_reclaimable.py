@@ -2,7 +2,7 @@
 
 The fixtures differ where the right and the wrong keys differ: 30 GiB of shmem (memfds: a staged table, say) is
 counted in cache/file but can only be swapped, not reclaimed; and cache/file differ from active + inactive file."""
-from pled import preflight
+from pled.daemon import preflight
 from test_preflight import GiB, V1_MOUNT, V2_MOUNT, Host
 
 

@@ -1,7 +1,7 @@
 import pytest
 
-from pled import config
-from pled.errors import EX_CONFIG, ConfigError
+from pled.daemon import config
+from pled.shared.errors import EX_CONFIG, ConfigError
 
 
 def parse(text):

@@ -16,9 +16,10 @@ import yaml
 from yamllint import config as yamllint_config, linter
 
 from conftest import write_config
-from pled import config as config_mod, region
-from pled.sidecar import open_table
-from pled.sizes import parse_size
+from pled.daemon import config as config_mod
+from pled.shared import region
+from pled.daemon.sidecar import open_table
+from pled.shared.sizes import parse_size
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 K8S = DEPLOY / "kubernetes"

@@ -6,9 +6,9 @@ import torch
 
 from types import SimpleNamespace
 
-from pled import dequant
-from pled.gather import Gatherer
-from pled.layouts import LAYOUTS
+from pled.shared import dequant
+from pled.client.gather import Gatherer
+from pled.shared.layouts import LAYOUTS
 
 # One row of 32 columns (two blocks of 16), packed two codes per byte, LOW nibble first (layouts.py).
 # Byte 0x21 holds code 1 (column 0) and code 2 (column 1); byte 0xF0 holds 0 then 15.

@@ -10,8 +10,11 @@ import textwrap
 import pytest
 
 from forked import as_user
-from pled import client, mapped_table, region, staging
-from pled.sidecar import open_table
+from pled import client
+from pled.client import mapped_table
+from pled.shared import region
+from pled.daemon import staging
+from pled.daemon.sidecar import open_table
 
 
 @pytest.fixture

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from conftest import Daemon, run_pled, write_config
-from pled import client, protocol
+from pled import client
+from pled.shared import protocol
 from pled.generator import make_sidecar
 
 MiB = 1024**2

@@ -92,7 +92,7 @@ def test_warm_rows_pays_the_first_request_at_attach(sidecar, daemon):
 @pytest.mark.parametrize("total,n", [(42_949_664, 8192), (320_001_536, 8192), (10, 1), (10, 10), (1, 3)])
 def test_warm_ids_stay_in_the_table(total, n):
     """warm_rows spreads its ids over the whole table; at the published sizes a float32 linspace ran past the end."""
-    from pled.mapped_table import spread_ids
+    from pled.client.mapped_table import spread_ids
 
     ids = spread_ids(total, n, torch)
     assert ids.numel() == n and int(ids.min()) == 0 and int(ids.max()) == (total - 1 if n > 1 else 0)

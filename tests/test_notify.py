@@ -6,7 +6,8 @@ import os
 import uuid
 
 from conftest import NotifySocket, serve, stop, write_config
-from pled import notify, region
+from pled.daemon import notify
+from pled.shared import region
 
 
 def test_a_table_path_outside_latin1_stages_and_status_carries_it(sidecar, tmp_path, notify_socket):
@@ -46,7 +47,7 @@ def test_failures_are_logged_once_and_never_raised(caplog, tmp_path):
     n = notify.Notifier({"NOTIFY_SOCKET": str(tmp_path / "nobody-listens.sock")})
     assert n.enabled
     r, w = os.pipe()
-    with caplog.at_level(logging.INFO, logger="pled.notify"):
+    with caplog.at_level(logging.INFO, logger="pled.daemon.notify"):
         assert not n.send("STATUS=one")
         assert not n.send("STATUS=two")
         assert not n.store_fd(r, "pled.1.t")
@@ -55,7 +56,7 @@ def test_failures_are_logged_once_and_never_raised(caplog, tmp_path):
     assert len(warnings) == 1 and "nobody-listens.sock" in warnings[0].getMessage()
     # Once the socket is there, messages go through and the recovery is noted.
     listener = NotifySocket(tmp_path / "nobody-listens.sock")
-    with caplog.at_level(logging.INFO, logger="pled.notify"):
+    with caplog.at_level(logging.INFO, logger="pled.daemon.notify"):
         assert n.send("STATUS=three")
         listener.wait_for("STATUS=three")
     assert "reachable again" in caplog.text

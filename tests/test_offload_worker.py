@@ -11,16 +11,15 @@ Skipped, with the reason, where .venv-vllm is missing (make test builds it).
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from conftest import LAYOUTS, run_pled
-from pled import dequant
-from pled.pagecache import cached_bytes
-from pled.safetensors_file import read_header
+from pled.shared import dequant
+from pled.shared.pagecache import cached_bytes
+from pled.daemon.safetensors_file import read_header
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -76,7 +75,7 @@ def drop_cache(files) -> None:
 
 
 def expected_rows(d: Path, layout: str) -> np.ndarray:
-    """An independent dequantization: the files read with numpy, pled.dequant's reference formulas."""
+    """An independent dequantization: the files read with numpy, pled.shared.dequant's reference formulas."""
     out = []
     for gid in CHECK:
         h = read_header(str(d / f"shard_{gid // ROWS}.safetensors"))
@@ -168,7 +167,7 @@ def test_the_hook_is_inert_without_pled_socket_and_off_with_autoload_0(hook_pyth
     assert runs["off"].stdout.strip() == "[] False"
     on = runs["on"].stdout.strip()
     assert on.endswith("True") and "'pled.autoload'" in on
-    assert "'pled.held_files'" not in on  # what serves files is imported when a file is asked for, not at start-up
+    assert "'pled.client.held_files'" not in on  # what serves files is imported when a file is asked for, not at start-up
 
 
 def test_a_broken_hook_is_one_line_and_the_interpreter_starts(hook_python, tmp_path):

@@ -1,8 +1,8 @@
 """The preflight against fixture /proc and /sys trees: every way a host can look."""
 import pytest
 
-from pled import hostmem, preflight
-from pled.errors import PreflightRefused
+from pled.daemon import hostmem, preflight
+from pled.shared.errors import PreflightRefused
 
 GiB = 1024**3
 KB = 1024

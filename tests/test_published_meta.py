@@ -6,7 +6,7 @@ import json
 import pytest
 
 from conftest import LAYOUTS, run_pled, write_config
-from pled.sidecar_meta import PUBLISHED_LAYOUT, layout_family
+from pled.daemon.sidecar_meta import PUBLISHED_LAYOUT, layout_family
 
 # The published strings (fp8's exact string is unknown: any with e4m3 and without e2m1 is fp8).
 PUBLISHED = {"ples_int4": "group16_int4_fp16scale_lownibblefirst", "ples_nvfp4": "group16_e2m1_e4m3scale_lownibblefirst",

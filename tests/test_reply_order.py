@@ -2,7 +2,7 @@
 import array
 import socket
 
-from pled import protocol
+from pled.shared import protocol
 
 
 def read_replies(sock: socket.socket, n: int) -> list[tuple[bytes, int]]:

@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from conftest import run_pled
-from pled import client, protocol, server
+from pled import client
+from pled.shared import protocol
+from pled.daemon import server
 
 MiB = 1024**2
 

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 
 from conftest import LAYOUTS
-from pled import dequant, hugepages, region, staging
-from pled.errors import RegionError, StagingError
-from pled.pagecache import PAGE, cached_bytes
-from pled.sidecar import open_table
+from pled.shared import dequant, hugepages, region
+from pled.daemon import staging
+from pled.shared.errors import RegionError, StagingError
+from pled.shared.pagecache import PAGE, cached_bytes
+from pled.daemon.sidecar import open_table
 
 
 def stage(d, **kw):
@@ -100,7 +101,7 @@ def test_policy_is_read_from_sysfs(tmp_path):
 def test_the_whole_region_is_resident_padding_included(sidecar):
     """Alignment padding is zeroed while staging: the region is exactly as big as the preflight said,
     and a client touching a padding page never allocates one on its own account."""
-    from pled.pagecache import cached_bytes_fd
+    from pled.shared.pagecache import cached_bytes_fd
 
     with stage(sidecar("ples_int4", shards=3, rows=3001)) as r:
         assert cached_bytes_fd(r.fd) == r.manifest.region_bytes

@@ -6,11 +6,13 @@ import os
 
 import pytest
 
-from pled import client, region, staging
-from pled.errors import SidecarError
-from pled.hugepages import PMD_SIZE
-from pled.pagecache import PAGE, cached_bytes_fd, mapping_address
-from pled.sidecar import open_table
+from pled import client
+from pled.shared import region
+from pled.daemon import staging
+from pled.shared.errors import SidecarError
+from pled.shared.hugepages import PMD_SIZE
+from pled.shared.pagecache import PAGE, cached_bytes_fd, mapping_address
+from pled.daemon.sidecar import open_table
 
 MiB = 1024**2
 

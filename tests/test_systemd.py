@@ -13,9 +13,10 @@ from pathlib import Path
 
 
 from conftest import NotifySocket, serve, stop, write_config
-from pled import client, protocol, region
+from pled import client
+from pled.shared import protocol, region
 from pled.generator import make_sidecar
-from pled.pagecache import cached_bytes
+from pled.shared.pagecache import cached_bytes
 
 MiB = 1024**2
 

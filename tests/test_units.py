@@ -81,7 +81,7 @@ def test_pled_service_has_what_pled_relies_on():
     assert d["Wants"] == "pled.service" and d["After"] == "pled.service" and "Requires" not in d and "BindsTo" not in d
     assert d["Environment"] == "PLED_SOCKET=/run/pled/pled.sock"
     # The unit's socket and the default socket agree.
-    from pled import config
+    from pled.daemon import config
 
     assert config.DEFAULT_SOCKET == "/run/pled/pled.sock"
 

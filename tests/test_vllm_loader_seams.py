@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pled import vllm_plugin
-from pled.pagecache import cached_bytes
-from pled.safetensors_file import write
+from pled.client import vllm_plugin
+from pled.shared.pagecache import cached_bytes
+from pled.daemon.safetensors_file import write
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"

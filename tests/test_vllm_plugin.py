@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from conftest import run_pled
-from pled import client, protocol
-from pled.pagecache import cached_bytes
+from pled import client
+from pled.shared import protocol
+from pled.shared.pagecache import cached_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"

@@ -8,8 +8,8 @@ handler (stdout) or, before vLLM configured its logging, to stderr."""
 import json
 import sys
 
-from pled import held_files, vllm_plugin
-from pled.pagecache import cached_bytes
+from pled.client import held_files, vllm_plugin
+from pled.shared.pagecache import cached_bytes
 
 vllm_plugin.register()  # what vLLM's plugin loader does in each of its processes
 

@@ -3,7 +3,7 @@ held files come from pled's region, others from disk. Prints JSON. safe_open_che
 import json
 import sys
 
-from pled import held_files, vllm_plugin
+from pled.client import held_files, vllm_plugin
 
 vllm_plugin.register()  # what vLLM does in every process; safetensors is imported after it here
 

@@ -9,8 +9,8 @@ import json
 import os
 import socket as socket_mod
 
-from . import protocol
-from .errors import PledError
+from pled.shared import protocol
+from pled.shared.errors import PledError
 
 DEFAULT_SOCKET = protocol.DEFAULT_SOCKET
 ENV_SOCKET = "PLED_SOCKET"

@@ -19,17 +19,18 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from . import notify, planning, protocol
-from .access import Policy
-from .boundary import clip
-from .config import Config
-from .session import Session
-from .errors import PledError
-from .server import PENDING, Reply
-from .tables import TableState
+from pled.daemon import notify, planning
+from pled.shared import protocol
+from pled.daemon.access import Policy
+from pled.shared.boundary import clip
+from pled.daemon.config import Config
+from pled.daemon.session import Session
+from pled.shared.errors import PledError
+from pled.daemon.server import PENDING, Reply
+from pled.daemon.tables import TableState
 
 if TYPE_CHECKING:
-    from .daemon import Daemon
+    from pled.daemon.lifecycle import Daemon
 
 log = logging.getLogger(__name__)
 

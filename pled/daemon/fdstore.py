@@ -13,10 +13,10 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from . import region
-from .errors import RegionError
-from .notify import Notifier, StoredFd, fd_name, parse_fd_name
-from .region import Manifest, Region
+from pled.shared import region
+from pled.shared.errors import RegionError
+from pled.daemon.notify import Notifier, StoredFd, fd_name, parse_fd_name
+from pled.shared.region import Manifest, Region
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import os
 import struct
 from dataclasses import dataclass
 
-from .boundary import BoundaryError, clip, load_json, open_regular
-from .errors import SidecarError
+from pled.shared.boundary import BoundaryError, clip, load_json, open_regular
+from pled.shared.errors import SidecarError
 
 # Bits per element, as the safetensors format defines its dtypes.
 DTYPE_BITS = {
@@ -173,7 +173,7 @@ def _tensor(path: str, name: str, spec: object, data_offset: int, data_size: int
 def write(path: str, tensors: list[tuple[str, str, tuple[int, ...], bytes | memoryview]], metadata: dict | None = None) -> str:
     """Write a safetensors file (used by the sidecar generator and tests), padding the header to 8 bytes, and fsync it.
     Returns the digest of the file's bytes that pled records while staging, as "<digests.OWN>:<hex>"."""
-    from .digests import OWN, new_hasher
+    from pled.shared.digests import OWN, new_hasher
 
     digest = new_hasher(OWN)
     header: dict = {}

@@ -4,7 +4,7 @@ Registered as the ``pled`` entry point of ``vllm.general_plugins``; vLLM calls `
 its processes (front end, engine core, workers), possibly more than once. Processes that never load
 vLLM's plugins (a PLE offload worker started with multiprocessing's spawn) get the same ``register()``
 from pled's start-up hook (pled.autoload, run by ``pled-autoload.pth`` when ``PLED_SOCKET`` is set).
-Inert unless enabled (see pled.held_files).
+Inert unless enabled (see pled.client.held_files).
 
 Seams are chosen by what vLLM's functions are, not by its version string: a function is wrapped where it
 exists and takes the parameters the wrapper relies on; keyword arguments the wrapper does not know
@@ -20,8 +20,8 @@ import sys
 import threading
 
 # Only what register() needs: this runs at every interpreter's start-up where PLED_SOCKET is set. The rest
-# (pled.held_files, logging, inspect) is imported when vLLM's loader or safetensors is used.
-from . import import_hook, safe_open_seam
+# (pled.client.held_files, logging, inspect) is imported when vLLM's loader or safetensors is used.
+from pled.client import import_hook, safe_open_seam
 
 ITERATOR = "safetensors_weights_iterator"
 WEIGHT_UTILS = "vllm.model_executor.model_loader.weight_utils"
@@ -63,7 +63,7 @@ def _fits(module, target) -> str | None:
 def _wrap_iterator(original, module):
     import inspect
 
-    from . import held_files
+    from pled.client import held_files
 
     signature = inspect.signature(original)
     has_experts = "local_expert_ids" in signature.parameters
@@ -105,7 +105,7 @@ def _vllm_version() -> str:
 def _patch_weight_utils(module) -> None:
     import logging
 
-    from .held_files import emit
+    from pled.client.held_files import emit
 
     target = getattr(module, ITERATOR, None)
     wrapped, left = [], []

@@ -1,7 +1,6 @@
 """Log lines that could repeat without end (a flood of clients, a bug hit on every call) at most once a minute."""
 from __future__ import annotations
 
-import logging
 import time
 
 EVERY = 60.0

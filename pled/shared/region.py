@@ -23,9 +23,9 @@ import os
 import struct
 from dataclasses import asdict, dataclass, replace
 
-from .digests import PLACEHOLDER as DIGEST_PLACEHOLDER
-from .errors import RegionError
-from .hugepages import PMD_SIZE
+from pled.shared.digests import PLACEHOLDER as DIGEST_PLACEHOLDER
+from pled.shared.errors import RegionError
+from pled.shared.hugepages import PMD_SIZE
 
 MAGIC = b"PLEDRGN\0"
 FORMAT_VERSION = 1
@@ -105,7 +105,7 @@ class Manifest:
 
 
 def plan(table: str, sidecar) -> Manifest:
-    """Where each shard and tensor of a pled.sidecar.Sidecar will sit; the region's exact size."""
+    """Where each shard and tensor of a pled.daemon.sidecar.Sidecar will sit; the region's exact size."""
     fingerprint = hashlib.sha256(
         json.dumps([sidecar.layout, [(s.size, s.header.fingerprint) for s in sidecar.shards]]).encode()
     ).hexdigest()
@@ -180,7 +180,7 @@ class Region:
     def __init__(self, fd: int, manifest: Manifest, stats=None) -> None:
         self._fd = fd
         self.manifest = manifest
-        self.stats = stats  # pled.staging.StageStats where this process staged it; None where it was adopted
+        self.stats = stats  # pled.daemon.staging.StageStats where this process staged it; None where it was adopted
 
     @property
     def fd(self) -> int:

@@ -19,13 +19,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
-from . import hugepages, region
-from .digests import OWN, new_hasher
-from .errors import EX_OK, PledError, SidecarError, StagingError
-from .pagecache import mapping_address
-from .region import Manifest, Region
-from .sidecar import Shard, Sidecar
-from .sizes import gib, rate
+from pled.shared import hugepages, region
+from pled.shared.digests import OWN, new_hasher
+from pled.shared.errors import EX_OK, PledError, SidecarError, StagingError
+from pled.shared.pagecache import mapping_address
+from pled.shared.region import Manifest, Region
+from pled.daemon.sidecar import Shard, Sidecar
+from pled.shared.sizes import gib, rate
 
 log = logging.getLogger(__name__)
 

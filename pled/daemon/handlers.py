@@ -10,14 +10,15 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
-from . import protocol, tables
-from .boundary import clip
-from .session import Session
-from .server import PENDING, Reply
+from pled.shared import protocol
+from pled.daemon import tables
+from pled.shared.boundary import clip
+from pled.daemon.session import Session
+from pled.daemon.server import PENDING, Reply
 
 if TYPE_CHECKING:
-    from .daemon import Daemon
-    from .tables import TableState
+    from pled.daemon.lifecycle import Daemon
+    from pled.daemon.tables import TableState
 
 log = logging.getLogger(__name__)
 

@@ -12,11 +12,12 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from . import layouts, sidecar_meta
-from .boundary import BoundaryError, clip, load_json, read_bounded
-from .digests import HEX_LENGTH
-from .errors import SidecarError
-from .safetensors_file import SafetensorsHeader, read_header
+from pled.shared import layouts
+from pled.daemon import sidecar_meta
+from pled.shared.boundary import BoundaryError, clip, load_json, read_bounded
+from pled.shared.digests import HEX_LENGTH
+from pled.shared.errors import SidecarError
+from pled.daemon.safetensors_file import SafetensorsHeader, read_header
 
 _NUMBERED = re.compile(r"^(?P<prefix>.*?)(?P<n>\d+)\.safetensors$")
 _OF = re.compile(r"^(?P<prefix>.*?)-(?P<n>\d+)-of-(?P<total>\d+)\.safetensors$")

@@ -21,12 +21,13 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from . import fdlimit, protocol
-from .access import Policy, peer_of
-from .boundary import clip
-from .session import CALL_TIMEOUT, MAX_FDS_PER_CONNECTION, MAX_UNREAD, MAX_UNREAD_PER_UID, Session
-from .listener import SocketInUse, bind
-from .throttle import Throttle
+from pled.daemon import fdlimit
+from pled.shared import protocol
+from pled.daemon.access import Policy, peer_of
+from pled.shared.boundary import clip
+from pled.daemon.session import CALL_TIMEOUT, MAX_FDS_PER_CONNECTION, MAX_UNREAD, MAX_UNREAD_PER_UID, Session
+from pled.daemon.listener import SocketInUse, bind
+from pled.daemon.throttle import Throttle
 
 __all__ = ["CALL_TIMEOUT", "Session", "PENDING", "Reply", "Server", "SocketInUse"]
 

@@ -17,8 +17,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from . import protocol
-from .access import Peer
+from pled.shared import protocol
+from pled.daemon.access import Peer
 
 CALL_TIMEOUT = 5.0  # seconds a half-sent call, or an unread reply, may wait
 MAX_UNREAD = 4 * 1024 * 1024  # bytes of replies queued for one connection (one Status of thousands of clients)

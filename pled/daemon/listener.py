@@ -13,8 +13,8 @@ import os
 import socket
 import stat
 
-from .access import peer_of
-from .errors import EX_CONFIG, PledError
+from pled.daemon.access import peer_of
+from pled.shared.errors import EX_CONFIG, PledError
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-from . import import_hook  # and pled.held_files, once safe_open is called: start-up stays cheap
+from pled.client import import_hook  # and pled.held_files, once safe_open is called: start-up stays cheap
 
 SEAM = "safe_open"
 MODULES = ("safetensors", "safetensors.torch", "safetensors.numpy")
@@ -43,7 +43,7 @@ class _Slice:
 class PledSafeOpen:
     """Stands in for safetensors.safe_open on a file pled holds: the same methods, tensors from memory."""
 
-    def __init__(self, held, framework: str) -> None:  # held: a pled.held_files.Held
+    def __init__(self, held, framework: str) -> None:  # held: a pled.client.held_files.Held
         self._held = held
         self._tensors = held.table.shard_tensors(held.shard.index)
         self._framework = framework
@@ -73,7 +73,7 @@ class PledSafeOpen:
 
 def wrap(original):
     def safe_open(filename, framework, device="cpu", *args, **kwargs):
-        from . import held_files
+        from pled.client import held_files
 
         st = held_files.state()
         if st is not None and framework in ("pt", "torch", "np", "numpy") and str(device) == "cpu":

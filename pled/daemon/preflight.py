@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import hostmem
-from .errors import PreflightRefused
-from .sizes import gib
+from pled.daemon import hostmem
+from pled.shared.errors import PreflightRefused
+from pled.shared.sizes import gib
 
 
 @dataclass(frozen=True)

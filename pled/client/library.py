@@ -1,4 +1,4 @@
-"""The client library: attach to a table pled holds, zero copy, read-only.
+"""attach(): a table pled holds, mapped zero copy and read-only (re-exported as pled.client.attach).
 
     from pled.client import attach
     with attach("ples_int4") as table:          # maps the daemon's sealed memfd
@@ -6,17 +6,17 @@
         table.gather(row_ids, out=pinned_buf)   # CPU gather + dequant, [n, 160]
 
 Every process that attaches maps the same physical pages. ``attach`` joins the two halves:
-the wire connection (pled.connection), held open for as long as the table is attached, and
-the mapped table (pled.mapped_table). This module never imports the daemon's code.
+the wire connection (pled.client.connection), held open for as long as the table is attached, and
+the mapped table (pled.client.mapped_table). This module never imports the daemon's code.
 """
 from __future__ import annotations
 
 import os
 
-from . import protocol, region
-from .connection import (DEFAULT_SOCKET, ENV_SOCKET, ClientError, Connection, DaemonUnavailable, NoSuchTable,
-                         NotReady, PermissionDenied, ProtocolError, ReloadFailed, call, close_all, socket_path)
-from .mapped_table import Table, TensorViews
+from pled.shared import protocol, region
+from pled.client.connection import (DEFAULT_SOCKET, ENV_SOCKET, ClientError, Connection, DaemonUnavailable,
+    NoSuchTable, NotReady, PermissionDenied, ProtocolError, ReloadFailed, call, close_all, socket_path)
+from pled.client.mapped_table import Table, TensorViews
 
 __all__ = ["attach", "call", "socket_path", "Table", "TensorViews", "Connection", "DEFAULT_SOCKET", "ENV_SOCKET",
            "ClientError", "DaemonUnavailable", "PermissionDenied", "NoSuchTable", "NotReady", "ReloadFailed",

@@ -14,9 +14,9 @@ import queue
 import threading
 from typing import Callable, Iterator
 
-from . import staging
-from .errors import PledError
-from .sizes import gib, rate
+from pled.daemon import staging
+from pled.shared.errors import PledError
+from pled.shared.sizes import gib, rate
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ import threading
 import time
 from typing import Callable
 
-from .boundary import clip
-from .throttle import Throttle
+from pled.shared.boundary import clip
+from pled.daemon.throttle import Throttle
 
 log = logging.getLogger(__name__)
 

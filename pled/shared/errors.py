@@ -7,7 +7,7 @@ RestartPreventExitStatus= so that a refusal does not restart-loop.
 """
 from __future__ import annotations
 
-from .boundary import clip
+from pled.shared.boundary import clip
 
 EX_OK = 0
 EX_FAILURE = 1

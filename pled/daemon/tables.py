@@ -6,12 +6,14 @@ import os
 import time
 from dataclasses import dataclass
 
-from . import __version__, protocol, region, staging
-from .boundary import clip
-from .pagecache import cached_bytes_fd
-from .region import Region
-from .sidecar import Sidecar
-from .sizes import gib
+from pled import __version__
+from pled.shared import protocol, region
+from pled.daemon import staging
+from pled.shared.boundary import clip
+from pled.shared.pagecache import cached_bytes_fd
+from pled.shared.region import Region
+from pled.daemon.sidecar import Sidecar
+from pled.shared.sizes import gib
 
 log = logging.getLogger(__name__)
 

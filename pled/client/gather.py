@@ -24,7 +24,7 @@ import threading
 
 import torch
 
-from .layouts import LAYOUTS
+from pled.shared.layouts import LAYOUTS
 
 _E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 _BLOCK = 16  # columns per scale in int4 and nvfp4

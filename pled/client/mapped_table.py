@@ -2,7 +2,7 @@
 
 The mapping is PROT_READ over a write-sealed memfd: a write through a tensor faults, it never
 reaches the table, and the mapping stays valid if the daemon goes away. How the fd arrived (the
-wire connection, pled.connection) is not this module's business: ``attach()`` in pled.client
+wire connection, pled.client.connection) is not this module's business: ``attach()`` in pled.client
 hands over the fd and the connection to close with the table.
 
 This module never imports the daemon's code; torch is imported only when tensors or gathers are
@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import hugepages, region
-from .connection import ClientError
+from pled.shared import hugepages, region
+from pled.client.connection import ClientError
 
 if TYPE_CHECKING:
     import torch
 
-    from .gather import Gatherer, Scratch
+    from pled.client.gather import Gatherer, Scratch
 
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+
 PAGE = mmap.PAGESIZE
@@ -115,7 +115,7 @@ class Table:
 
     def residency(self) -> float:
         """The share of the region in memory now, measured by the kernel (cachestat or mincore)."""
-        from .pagecache import cached_bytes_fd
+        from pled.shared.pagecache import cached_bytes_fd
 
         return min(1.0, cached_bytes_fd(self._fd) / self.manifest.region_bytes)
 
@@ -173,7 +173,7 @@ class Table:
 
     def _gather_for(self) -> "Gatherer":
         if self._gatherer is None:
-            from .gather import Gatherer
+            from pled.client.gather import Gatherer
 
             import torch
 

@@ -26,10 +26,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
-from .boundary import BoundaryError, check_json_depth_text, clip, read_bounded
-from .errors import ConfigError
-from .protocol import DEFAULT_SOCKET
-from .sizes import parse_size
+from pled.shared.boundary import BoundaryError, check_json_depth_text, clip, read_bounded
+from pled.shared.errors import ConfigError
+from pled.shared.protocol import DEFAULT_SOCKET
+from pled.shared.sizes import parse_size
 
 DEFAULT_PATH = "/etc/pled/pled.toml"
 ENV_VAR = "PLED_CONFIG"

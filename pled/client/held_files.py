@@ -82,7 +82,7 @@ def settings() -> Settings | None:
 @dataclass
 class Held:
     table: object  # pled.client.Table
-    shard: object  # pled.region.ShardEntry
+    shard: object  # pled.shared.region.ShardEntry
 
 
 @dataclass
@@ -123,7 +123,7 @@ class State:
     def report(self, seam: str, complete_only: bool = False) -> None:
         """One line per table served through ``seam`` since the last report (with ``complete_only``: only
         for tables whose every file has now been served, each such table once)."""
-        from pled.sizes import gib
+        from pled.shared.sizes import gib
 
         with _lock:
             for (name, how), paths in list(self.served.items()):
@@ -164,7 +164,8 @@ def state() -> State | None:
 
 
 def _attach_all(st: State) -> None:
-    from pled import client, protocol
+    from pled import client
+    from pled.shared import protocol
 
     s = st.settings
     try:

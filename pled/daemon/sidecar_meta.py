@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import logging
 
-from . import layouts
-from .errors import SidecarError
+from pled.shared import layouts
+from pled.shared.errors import SidecarError
 
 log = logging.getLogger(__name__)
 

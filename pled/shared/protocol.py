@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from .boundary import BoundaryError, load_json
+from pled.shared.boundary import BoundaryError, load_json
 
 ATTACH = "io.pled.Attach"
 STATUS = "io.pled.Status"

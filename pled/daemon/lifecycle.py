@@ -19,18 +19,19 @@ import signal
 import threading
 import time
 
-from . import __version__, fdlimit, fdstore, hostmem, notify, planning, tables as tables_mod
-from .access import Policy
-from .config import Config
-from .errors import PledError
-from .handlers import Handlers
-from .loop import Loop, drain
-from .region import Region
-from .reload import Reloader
-from .server import Server
-from .sizes import gib
-from .stager import Stager
-from .tables import TableState
+from pled import __version__
+from pled.daemon import fdlimit, fdstore, hostmem, notify, planning, tables as tables_mod
+from pled.daemon.access import Policy
+from pled.daemon.config import Config
+from pled.shared.errors import PledError
+from pled.daemon.handlers import Handlers
+from pled.daemon.loop import Loop, drain
+from pled.shared.region import Region
+from pled.daemon.reload import Reloader
+from pled.daemon.server import Server
+from pled.shared.sizes import gib
+from pled.daemon.stager import Stager
+from pled.daemon.tables import TableState
 
 log = logging.getLogger(__name__)
 

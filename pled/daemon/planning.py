@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import config as config_mod, preflight, region
-from .config import Config
-from .errors import ConfigError
-from .sidecar import Sidecar, open_table
+from pled.daemon import config as config_mod, preflight
+from pled.shared import region
+from pled.daemon.config import Config
+from pled.shared.errors import ConfigError
+from pled.daemon.sidecar import Sidecar, open_table
 
 
 def open_tables(config: Config) -> dict[str, Sidecar]:
