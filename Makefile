@@ -44,7 +44,7 @@ test: $(BIN)/pled vllm-env
 test-systemd: $(BIN)/pled
 	PLED_TEST_SYSTEMD=1 $(BIN)/python -m pytest tests/test_systemd_pid1.py -v
 
-# Measurements, not tests: writes docs/BENCHMARKS.md and docs/benchmarks.json (a few minutes, about 4 GiB).
+# Measurements, not tests: writes docs/BENCHMARKS.md and docs/benchmarks.json (about 17 minutes here, about 4 GiB).
 bench: $(BIN)/pled
 	$(BIN)/python -m bench $(BENCH_ARGS)
 
