@@ -160,7 +160,7 @@ def test_5_fds_in_flight_are_bounded_per_connection(tmp_path, sidecar, pleds):
 
 CHAOS = """
 import os, random
-import pled.handlers as h, pled.planning as p, pled.tables as t
+import pled.daemon.handlers as h, pled.daemon.planning as p, pled.daemon.tables as t
 rng = random.Random(11)
 KINDS = [RuntimeError, KeyError, OSError, ValueError, TypeError, RecursionError, ZeroDivisionError, AttributeError]
 def chaotic(f):

@@ -140,7 +140,7 @@ def served(tmp_path, sidecar):
 def test_2_6_7_a_reload_onto_bad_files_fails_and_changes_nothing(tmp_path, served):
     pled, d = served
     before = baseline(pled, "t1")
-    cfg = pled.daemon.config
+    cfg = pled.config
     good = cfg.read_text()
     for case, (how, words) in BAD_SHARDS.items():
         bad = broken_copy(d, tmp_path / f"bad-{case.replace(' ', '_').replace('/', '_')}", how)
@@ -182,7 +182,7 @@ def test_2_status_survives_a_sidecar_directory_replaced(tmp_path, sidecar, how):
 
 GATED = """
 import os, time
-import pled.sidecar as s
+import pled.daemon.sidecar as s
 _open = s.open_table
 def open_table(path):
     while os.path.exists(path + ".gate"):  # a sidecar on a disk that takes its time
@@ -198,7 +198,7 @@ def test_7_a_slow_sidecar_in_a_reload_delays_no_client(tmp_path, sidecar):
     try:
         gate = tmp_path / (slow.name + ".gate")
         gate.touch()
-        pled.daemon.config.write_text(pled.daemon.config.read_text() + f'[[table]]\nname = "slow"\npath = "{slow}"\n')
+        pled.config.write_text(pled.config.read_text() + f'[[table]]\nname = "slow"\npath = "{slow}"\n')
         reload = subprocess.Popen([sys.executable, "-m", "pled", "reload", "--socket", pled.socket],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         time.sleep(1)

@@ -78,8 +78,9 @@ def test_a_populate_that_fails_is_an_error_not_a_crash(sidecar, tmp_path):
     d = sidecar(shards=2, rows=2000)
     code = textwrap.dedent(f"""
         import os
-        from pled import client, region, staging
-        from pled.sidecar import open_table
+        from pled import client
+        from pled.daemon import staging
+        from pled.daemon.sidecar import open_table
         with staging.stage("t", open_table({str(d)!r})) as r:
             data = os.pread(r.fd, r.manifest.region_bytes, 0)
         fd = os.memfd_create("copy")  # an unsealed copy, so that it can shrink under the mapping

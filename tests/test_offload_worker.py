@@ -181,7 +181,9 @@ def test_a_broken_hook_is_one_line_and_the_interpreter_starts(hook_python, tmp_p
                                      "set PLED_AUTOLOAD=0 to silence this"]
     (broken / "__init__.py").write_text("")  # a pled whose autoload imports, but whose plugin does not
     (broken / "autoload.py").write_text((ROOT / "pled" / "autoload.py").read_text())
-    (broken / "vllm_plugin.py").write_text("raise ImportError('no plugin here')\n")
+    (broken / "client").mkdir()
+    (broken / "client" / "__init__.py").write_text("")
+    (broken / "client" / "vllm_plugin.py").write_text("raise ImportError('no plugin here')\n")
     r = subprocess.run([str(hook_python), "-c", "print('started')"], capture_output=True, text=True, cwd="/",
                        env=clean_env(PLED_SOCKET="/x", PYTHONPATH=str(broken.parent)))
     assert r.returncode == 0 and r.stdout == "started\n"

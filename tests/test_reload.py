@@ -77,7 +77,7 @@ def test_failed_reloads_change_nothing_and_say_why(tmp_path, daemon, sidecar):
     d = sidecar(shards=2, rows=1000)
     pled = daemon({"t": d})
     sock = pled.socket
-    cfg = pled.daemon.config
+    cfg = pled.config
     good = cfg.read_text()
 
     def reload_fails(words: str) -> None:
@@ -103,7 +103,7 @@ def test_a_removed_table_stops_being_offered_and_sighup_reloads(tmp_path, daemon
     a, b = sidecar(shards=1, rows=100), sidecar("ples_fp8", shards=1, rows=100)
     pled = daemon({"a": a, "b": b})
     held = client.attach("b", socket=pled.socket)
-    pled.daemon.config.write_text(pled.daemon.config.read_text().split("[[table]]")[0] + f'[[table]]\nname = "a"\npath = "{a}"\n')
+    pled.config.write_text(pled.config.read_text().split("[[table]]")[0] + f'[[table]]\nname = "a"\npath = "{a}"\n')
     pled.proc.send_signal(signal.SIGHUP)
     pled.wait_for("reload done")
     with pytest.raises(client.NoSuchTable):

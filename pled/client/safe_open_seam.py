@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-from pled.client import import_hook  # and pled.held_files, once safe_open is called: start-up stays cheap
+from pled.client import import_hook  # and pled.client.held_files, once safe_open is called: start-up stays cheap
 
 SEAM = "safe_open"
 MODULES = ("safetensors", "safetensors.torch", "safetensors.numpy")
