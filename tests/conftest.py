@@ -4,8 +4,10 @@ import signal
 import socket
 import struct
 import threading
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,6 +28,16 @@ def sidecar(tmp_path):
         return d
 
     return make
+
+
+@pytest.fixture
+def open_dir():
+    """A directory under /tmp that any uid may traverse (tmp_path's parents are 0700), removed afterwards: for
+    sockets and sidecars that a test's non-root client must reach."""
+    d = tempfile.mkdtemp(prefix="pled-open-", dir="/tmp")
+    os.chmod(d, 0o755)
+    yield d
+    shutil.rmtree(d)
 
 
 def run_pled(*args, env=None, timeout=60, **kw) -> subprocess.CompletedProcess:

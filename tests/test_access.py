@@ -6,11 +6,9 @@ import encodings.ascii  # noqa: F401  the children cannot import it: Python's st
 import grp
 import hashlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
@@ -72,26 +70,17 @@ def open_up(sock: str) -> None:
     os.chmod(sock, 0o666)
 
 
-@pytest.fixture
-def run_dir():
-    """A directory nobody can traverse (tmp_path's parents are 0700); pled creates its socket directory inside."""
-    d = tempfile.mkdtemp(prefix="pled-access-", dir="/tmp")
-    os.chmod(d, 0o755)
-    yield d
-    shutil.rmtree(d)
-
-
-def start(tmp_path, sidecar, run_dir, gid: int, name: str, **keys) -> tuple[GroupDaemon, str]:
-    sock = os.path.join(run_dir, name, "pled.sock")
+def start(tmp_path, sidecar, open_dir, gid: int, name: str, **keys) -> tuple[GroupDaemon, str]:
+    sock = os.path.join(open_dir, name, "pled.sock")
     cfg = write_config(tmp_path / f"{name}.toml", {"t": sidecar(shards=2, rows=4000)}, socket=sock, headroom_margin=0, **keys)
     d = GroupDaemon(cfg, gid)
     d.wait_for("ready:")
     return d, sock
 
 
-def test_members_of_pleds_group_attach_and_others_are_refused(sidecar, tmp_path, run_dir):
+def test_members_of_pleds_group_attach_and_others_are_refused(sidecar, tmp_path, open_dir):
     g = free_gid(61000)
-    pled, sock = start(tmp_path, sidecar, run_dir, g, "run")
+    pled, sock = start(tmp_path, sidecar, open_dir, g, "run")
     try:
         # The file system's part: socket 0660 and its directory 0750, both group G, as pled made them.
         st, dst = os.stat(sock), os.stat(os.path.dirname(sock))
@@ -114,10 +103,10 @@ def test_members_of_pleds_group_attach_and_others_are_refused(sidecar, tmp_path,
         pled.stop()
 
 
-def test_allow_groups_widens_pleds_group(sidecar, tmp_path, run_dir):
+def test_allow_groups_widens_pleds_group(sidecar, tmp_path, open_dir):
     g = free_gid(61000)
     other = free_gid(g + 1)
-    pled, sock = start(tmp_path, sidecar, run_dir, g, "wide", allow_groups=[other])
+    pled, sock = start(tmp_path, sidecar, open_dir, g, "wide", allow_groups=[other])
     try:
         open_up(sock)  # so that the file system lets group `other` in and pled decides
         assert as_user(lambda: gather_digest(sock), [other]).startswith("attached")

@@ -1,10 +1,8 @@
 """Errors that must not escape or mislead: each is a clear message, not a traceback or a wrong reason."""
 import gc
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 
 import pytest
@@ -15,15 +13,6 @@ from pled.client import mapped_table
 from pled.shared import region
 from pled.daemon import staging
 from pled.daemon.sidecar import open_table
-
-
-@pytest.fixture
-def open_dir():
-    """A directory anyone may read, removed afterwards."""
-    d = tempfile.mkdtemp(prefix="pled-open-", dir="/tmp")
-    os.chmod(d, 0o755)
-    yield d
-    shutil.rmtree(d)
 
 
 def test_an_unreadable_huge_page_setting_is_reported_as_such(tmp_path, open_dir):
