@@ -72,6 +72,16 @@ def _drop_page_cache(d: Path) -> None:
         os.close(fd)
 
 
+def _wait_ready(proc: subprocess.Popen) -> str:
+    """Read pled's log until it is ready; what it logged so far."""
+    seen = ""
+    while "ready:" not in seen:
+        line = proc.stderr.readline()
+        assert line, f"pled exited early:\n{seen}"
+        seen += line
+    return seen
+
+
 def _serve_in(cg: Path, cfg: Path) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "JOURNAL_STREAM")}
     # The shell joins the cgroup, then becomes pled: every byte pled charges lands in the cgroup.
@@ -112,11 +122,7 @@ def test_staging_inside_the_cgroup_charges_the_table_once(memcg, sidecar, tmp_pa
     _drop_page_cache(d)  # so that pled's reads are charged to its cgroup, not to whoever wrote the files
     proc = _serve_in(cg, cfg)
     try:
-        seen = ""
-        while "ready:" not in seen:
-            line = proc.stderr.readline()
-            assert line, f"pled exited early:\n{seen}"
-            seen += line
+        _wait_ready(proc)
         usage = int((cg / "memory.usage_in_bytes").read_text())
         peak = int((cg / "memory.max_usage_in_bytes").read_text())
         # The table is charged to pled's cgroup (shared memory is accounted to whoever faulted it in) ...

@@ -22,7 +22,7 @@ from conftest import run_pled, write_config
 from pled import client
 from pled.shared import region
 from pled.daemon.sidecar import open_table
-from test_cgroup import _drop_page_cache, _oom_kills, _serve_in, memcg  # noqa: F401  (memcg is a fixture)
+from test_cgroup import _drop_page_cache, _oom_kills, _serve_in, _wait_ready, memcg  # noqa: F401  (memcg is a fixture)
 
 MiB = 1024**2
 ROWS = list(range(0, 4_800_000, 9_973))  # rows from every shard
@@ -78,11 +78,7 @@ def test_a_client_capped_far_below_the_table_reads_it_all_charged_to_pled(memcg,
     _drop_page_cache(d)
     pled = _serve_in(pled_cg, cfg)
     try:
-        seen = ""
-        while "ready:" not in seen:
-            line = pled.stderr.readline()
-            assert line, f"pled exited early:\n{seen}"
-            seen += line
+        _wait_ready(pled)
         pled_shmem = _stat(pled_cg, "total_shmem")
         assert pled_shmem >= region_bytes, (pled_shmem, region_bytes)  # the table is charged where pled staged it
 
