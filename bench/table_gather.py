@@ -143,10 +143,6 @@ def _summary(values: list[float]) -> dict:
 
 # -- report --------------------------------------------------------------------------------------
 
-def _fmt(s: dict, digits: int = 2) -> str:
-    return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
-
-
 @report.section
 def report_lines(res: dict) -> list[str]:
     """The report's section, every figure from ``res['table_gather']`` (absent: nothing)."""
@@ -165,15 +161,15 @@ def report_lines(res: dict) -> list[str]:
              "faults per request after the first (max) |", "|---|---|---|---|---|---|---|"]
     for pages, block in tg.items():
         for case, c in block["cases"].items():
-            lines.append(f"| {pages} | {case} | {_fmt(c['first_over_asymptote'])} | {_fmt(c['asymptote'], 0)} | "
+            lines.append(f"| {pages} | {case} | {report.fmt(c['first_over_asymptote'])} | {report.fmt(c['asymptote'], digits=0)} | "
                          f"{c['requests_to_5pct']['median']:.0f} ({c['requests_to_5pct']['min']:.0f}-"
                          f"{c['requests_to_5pct']['max']:.0f}) | {c['faults_first']['median']:.0f} | "
                          f"{c['faults_after_first']['median']:.0f} ({c['faults_after_first']['max']:.0f}) |")
     lines += [""]
     for pages, block in tg.items():
         runs = ", ".join(f"{r['first_over_asymptote']:.2f}" for r in block["cases"]["Table.gather"]["runs"])
-        lines.append(f"- {pages}: Table.gather's rows/s at {_fmt(block['speedup_over_op_chain'])}x the op chain's and "
-                     f"{_fmt(block['speedup_over_numpy'])}x the numpy worker's (asymptotes, per repeat); first / "
+        lines.append(f"- {pages}: Table.gather's rows/s at {report.fmt(block['speedup_over_op_chain'])}x the op chain's and "
+                     f"{report.fmt(block['speedup_over_numpy'])}x the numpy worker's (asymptotes, per repeat); first / "
                      f"asymptote per run {runs}.")
     return lines
 

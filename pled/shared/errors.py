@@ -23,26 +23,23 @@ class PledError(Exception):
     exit_status = EX_FAILURE
 
 
-class ConfigError(PledError):
+class FileRefused(PledError):
+    """A file pled was given is refused: the message names the file, then the problem."""
+
+    exit_status = EX_CONFIG
+
+    def __init__(self, path: str, problem: str) -> None:
+        super().__init__(f"{clip(path)}: {problem}")
+        self.path = path
+        self.problem = problem
+
+
+class ConfigError(FileRefused):
     """The configuration file is missing, unreadable or invalid."""
 
-    exit_status = EX_CONFIG
 
-    def __init__(self, path: str, problem: str) -> None:
-        super().__init__(f"{clip(path)}: {problem}")
-        self.path = path
-        self.problem = problem
-
-
-class SidecarError(PledError):
+class SidecarError(FileRefused):
     """A table's files are missing, truncated, foreign or inconsistent."""
-
-    exit_status = EX_CONFIG
-
-    def __init__(self, path: str, problem: str) -> None:
-        super().__init__(f"{clip(path)}: {problem}")
-        self.path = path
-        self.problem = problem
 
 
 class PreflightRefused(PledError):
