@@ -61,9 +61,11 @@ def _torch_setup(case: str, table: str, socket: str, ids: int):
     return t, lambda i, out: op_chain.gather(m.layout, shards, starts, i, out)
 
 
+IDLE_S = 0.3  # after the requests, the process sleeps this long and times one request more
+
+
 def worker(case: str, table: str, socket: str, requests: int, ids: int, seed: int) -> dict:
     t0 = time.perf_counter()
-    rates, faults = [], []
     if case == "numpy worker":
         import numpy as np
 
@@ -74,27 +76,29 @@ def worker(case: str, table: str, socket: str, requests: int, ids: int, seed: in
         starts = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int64)
         gw.warm_up_code(views, layout, ids)
         rng = np.random.default_rng(seed)
-        for _ in range(requests):
-            batch = rng.integers(0, int(sum(rows)), size=ids, dtype=np.int64)
-            f, t = _minflt(), time.perf_counter()
-            gw.gather(views, starts, layout, batch)
-            rates.append(ids / (time.perf_counter() - t))
-            faults.append(_minflt() - f)
+        batches = lambda: rng.integers(0, int(sum(rows)), size=ids, dtype=np.int64)  # noqa: E731
+        gather = lambda batch: gw.gather(views, starts, layout, batch)  # noqa: E731
     else:
         import torch
 
-        keep, gather = _torch_setup(case, table, socket, ids)
+        keep, gather_into = _torch_setup(case, table, socket, ids)
         populate, setup = keep.populate_seconds, time.perf_counter() - t0
         out = torch.empty((ids, keep.manifest.row_width), dtype=torch.bfloat16)
         out.zero_()
         g = torch.Generator().manual_seed(seed)
-        for _ in range(requests):
-            batch = torch.randint(0, keep.manifest.rows, (ids,), generator=g)
-            f, t = _minflt(), time.perf_counter()
-            gather(batch, out)
-            rates.append(ids / (time.perf_counter() - t))
-            faults.append(_minflt() - f)
-    return {"setup_s": setup, "populate_s": populate, "rows_per_s": rates, "faults": faults}
+        batches = lambda: torch.randint(0, keep.manifest.rows, (ids,), generator=g)  # noqa: E731
+        gather = lambda batch: gather_into(batch, out)  # noqa: E731
+
+    def one() -> tuple[float, int]:
+        batch = batches()
+        f, t = _minflt(), time.perf_counter()
+        gather(batch)
+        return ids / (time.perf_counter() - t), _minflt() - f
+
+    rates, faults = zip(*(one() for _ in range(requests)))
+    time.sleep(IDLE_S)
+    after_idle = one()[0]
+    return {"setup_s": setup, "populate_s": populate, "rows_per_s": rates, "faults": faults, "after_idle": after_idle}
 
 
 # -- the cases, interleaved ----------------------------------------------------------------------
@@ -111,7 +115,8 @@ def one_run(case: str, table: str, socket: str, requests: int, ids: int, seed: i
     within = next((i + 1 for i, x in enumerate(rates) if x >= 0.95 * asymptote), requests)
     return {"first": rates[0], "asymptote": asymptote, "first_over_asymptote": rates[0] / asymptote,
             "requests_to_5pct": within, "faults_first": faults[0], "faults_after_first": max(faults[1:], default=0),
-            "faults_after_first_mean": statistics.mean(faults[1:]) if faults[1:] else 0.0, "populate_s": data["populate_s"]}
+            "faults_after_first_mean": statistics.mean(faults[1:]) if faults[1:] else 0.0, "populate_s": data["populate_s"],
+            "after_idle_over_asymptote": data["after_idle"] / asymptote}
 
 
 def run(socket: str, table: str, repeats: int, requests: int, ids: int, settle=None, log=print) -> dict:
@@ -125,9 +130,9 @@ def run(socket: str, table: str, repeats: int, requests: int, ids: int, settle=N
             runs[case].append(r)
             log(f"table gather {case}: first/asymptote {r['first_over_asymptote']:.2f}, asymptote "
                 f"{r['asymptote']:.0f} rows/s, {r['requests_to_5pct']} requests to 5%, faults first {r['faults_first']}, "
-                f"after {r['faults_after_first']}")
+                f"after {r['faults_after_first']}, after {IDLE_S} s idle {r['after_idle_over_asymptote']:.2f}")
     keys = ("first", "asymptote", "first_over_asymptote", "requests_to_5pct", "faults_first", "faults_after_first",
-            "faults_after_first_mean", "populate_s")
+            "faults_after_first_mean", "populate_s", "after_idle_over_asymptote")
     out = {"cases": {c: {k: _summary([r[k] for r in rs]) for k in keys} | {"runs": rs} for c, rs in runs.items()}}
     # rows/s of Table.gather over the op chain, per repeat (the two ran within the same minute)
     out["speedup_over_op_chain"] = _summary([a["asymptote"] / b["asymptote"]
@@ -155,16 +160,20 @@ def report_lines(res: dict) -> list[str]:
              f"{res['gather_ids']} random row ids per request, {res['gather_requests']} requests per run, into a "
              f"bfloat16 output allocated once; each case {n} times in fresh processes, interleaved (A, B, C, D, A, ...), "
              "all pre-faulted. numpy worker: section 3's gather; op chain: the published offload worker's torch ops "
-             "per shard (bench/op_chain.py); Table.gather with `attach(..., warm_rows=ids)`, and without it. "
-             "Faults: the process's minor page faults during one request.", "",
+             "per shard (bench/op_chain.py); Table.gather with `attach(..., warm_rows=ids)` (gathers of random ids "
+             "until two in a row take the same time), and without it. "
+             "Faults: the process's minor page faults during one request. After idle: once the requests are done, the "
+             f"process sleeps {IDLE_S} s and times one request more; no warm-up can reach that one, so it shows what "
+             "any request after a pause costs on this machine, beside what the first one costs.", "",
              "| pages | case | first / asymptote | asymptote, rows/s | requests to within 5% | faults, first request | "
-             "faults per request after the first (max) |", "|---|---|---|---|---|---|---|"]
+             "faults per request after the first (max) | after idle / asymptote |", "|---|---|---|---|---|---|---|---|"]
     for pages, block in tg.items():
         for case, c in block["cases"].items():
             lines.append(f"| {pages} | {case} | {report.fmt(c['first_over_asymptote'])} | {report.fmt(c['asymptote'], digits=0)} | "
                          f"{c['requests_to_5pct']['median']:.0f} ({c['requests_to_5pct']['min']:.0f}-"
                          f"{c['requests_to_5pct']['max']:.0f}) | {c['faults_first']['median']:.0f} | "
-                         f"{c['faults_after_first']['median']:.0f} ({c['faults_after_first']['max']:.0f}) |")
+                         f"{c['faults_after_first']['median']:.0f} ({c['faults_after_first']['max']:.0f}) | "
+                         f"{report.fmt(c['after_idle_over_asymptote']) if 'after_idle_over_asymptote' in c else 'not measured'} |")
     lines += [""]
     for pages, block in tg.items():
         runs = ", ".join(f"{r['first_over_asymptote']:.2f}" for r in block["cases"]["Table.gather"]["runs"])

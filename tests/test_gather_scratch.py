@@ -89,11 +89,26 @@ def test_warm_rows_pays_the_first_request_at_attach(sidecar, daemon):
         assert minor_faults() - before == 0
 
 
-@pytest.mark.parametrize("total,n", [(42_949_664, 8192), (320_001_536, 8192), (10, 1), (10, 10), (1, 3)])
-def test_warm_ids_stay_in_the_table(total, n):
-    """warm_rows spreads its ids over the whole table; at the published sizes a float32 linspace ran past the end."""
-    from pled.client.mapped_table import spread_ids
+@pytest.mark.parametrize("times,expected", [([], False), ([1.0], False), ([1.0, 1.049], True), ([1.0, 0.951], True),
+                                             ([1.0, 1.06], False), ([2.0, 1.0, 1.04], True), ([1.0, 0.5], False)])
+def test_settled_compares_the_last_two_gathers(times, expected):
+    from pled.client.gather import settled
 
-    ids = spread_ids(total, n, torch)
-    assert ids.numel() == n and int(ids.min()) == 0 and int(ids.max()) == (total - 1 if n > 1 else 0)
-    assert bool((ids[1:] >= ids[:-1]).all())
+    assert settled(times) is expected
+
+
+def test_warm_runs_gathers_until_their_time_settles(sidecar, daemon):
+    """One warm-up gather left a fresh process's next requests at ~0.85 of their speed (bench section 6);
+    warm repeats until two gathers take the same time, within its bound, and leaves torch's RNG alone."""
+    from pled.client.gather import WARM_MAX_GATHERS, settled
+
+    d = sidecar("ples_int4", shards=SHARDS, rows=ROWS)
+    pled = daemon({"t": d})
+    rng = torch.get_rng_state()
+    with client.attach("t", socket=pled.socket, warm_rows=2048) as t:
+        assert torch.equal(torch.get_rng_state(), rng), "warm-up drew from torch's global generator"
+        times = t.warm(2048)
+        assert 2 <= len(times) <= WARM_MAX_GATHERS
+        assert settled(times) or len(times) == WARM_MAX_GATHERS
+        assert not any(settled(times[:k]) for k in range(len(times))), "warm-up went on after it had settled"
+        assert t.scratch.rows == 2048

@@ -11,7 +11,10 @@ values, the block scales multiply through a broadcast view (no repeat_interleave
 
 Every buffer lives in a ``Scratch`` kept for the next request, sized for the largest request
 seen: a steady stream of requests allocates nothing but small 0-d tensors, so it takes no page
-faults. Torch on the CPU makes a temporary for every op whose inputs or output differ in dtype
+faults. ``Gatherer.warm`` pays a process's first gathers before any request: it makes the scratch,
+then runs gathers of random ids until two in a row take the same time within 5% (at most 8). One
+warm-up gather was not enough: the next gathers of a fresh process still ran at about 0.85 of
+their steady speed (docs/BENCHMARKS.md, section 6). Torch on the CPU makes a temporary for every op whose inputs or output differ in dtype
 from the computation's, so each dtype change here is an explicit ``copy_`` into scratch.
 
 The results are bit-identical to the per-shard op chain (index_select, stack the nibbles,
@@ -21,6 +24,7 @@ bench/op_chain.py): the same float32 products in the same order.
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -28,6 +32,9 @@ from pled.shared.layouts import LAYOUTS
 
 _E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 _BLOCK = 16  # columns per scale in int4 and nvfp4
+WARM_TOLERANCE = 0.05  # warm-up ends when two gathers in a row differ by at most this share
+WARM_MAX_GATHERS = 8
+_WARM_SEED = 0x5EED  # warm-up ids come from their own generator: torch's global RNG is left alone
 _SCALE_DTYPE = {"ples_fp8": torch.float32, "ples_int4": torch.float16, "ples_nvfp4": torch.float8_e4m3fn}
 
 
@@ -44,6 +51,11 @@ _PAIRS = {"ples_int4": _pair_table([float(c - 8) for c in range(16)]), "ples_nvf
 def _windows(data: torch.Tensor, width: int) -> torch.Tensor:
     """[len - width + 1, width] view of a 1-D uint8 tensor: row k is bytes k .. k + width - 1 (no copy)."""
     return data.as_strided((data.numel() - width + 1, width), (1, 1))
+
+
+def settled(times: list[float], tolerance: float = WARM_TOLERANCE) -> bool:
+    """Whether the last two gathers took the same time, within ``tolerance`` of the earlier one."""
+    return len(times) >= 2 and abs(times[-1] - times[-2]) <= tolerance * times[-2]
 
 
 class Scratch:
@@ -115,6 +127,20 @@ class Gatherer:
             for t in self.scratch.buffers():
                 t.zero_()  # fault the pages in now, not during a request
         return self.scratch
+
+    def warm(self, rows: int, max_gathers: int = WARM_MAX_GATHERS) -> list[float]:
+        """Scratch for ``rows`` rows, then gathers of ``rows`` random ids until two in a row take the
+        same time (``settled``), at most ``max_gathers``. Returns each gather's seconds."""
+        self.reserve(rows)
+        out = torch.empty((rows, self.width), dtype=torch.bfloat16)
+        generator = torch.Generator().manual_seed(_WARM_SEED)
+        times: list[float] = []
+        while len(times) < max_gathers and not settled(times):
+            ids = torch.randint(0, self.rows, (rows,), generator=generator)
+            start = time.perf_counter()
+            self.gather(ids, out=out)
+            times.append(time.perf_counter() - start)
+        return times
 
     def gather(self, row_ids, out: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         ids = torch.as_tensor(row_ids).reshape(-1)

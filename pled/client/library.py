@@ -27,8 +27,8 @@ def attach(table: str, socket: str | None = None, timeout: float = 10.0, populat
            warm_rows: int = 0) -> Table:
     """Attach to ``table``; with ``wait`` a table still being staged is waited for (up to ``timeout``).
 
-    ``warm_rows``: make gather scratch for requests of that many rows now and run one such gather, so
-    that the first real request runs at full speed (see ``Table.warm``)."""
+    ``warm_rows``: make gather scratch for requests of that many rows now and run such gathers until
+    their time settles, so that the first real request runs at full speed (see ``Table.warm``)."""
     conn = Connection(socket, timeout)
     try:
         params, fds = conn.call(protocol.ATTACH, table=table, **({"wait": True} if wait else {}))

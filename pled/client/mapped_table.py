@@ -157,14 +157,11 @@ class Table:
         allocate nothing but the output when ``out`` is not given. Gathers on one Table run one at a time."""
         return self._gather_for().gather(row_ids, out=out, dtype=dtype)
 
-    def warm(self, rows: int) -> None:
-        """Pay a gather's first-call costs now: scratch for ``rows`` rows (pages faulted in) and one
-        gather of that many rows spread over the table, which also loads torch's kernels."""
-        import torch
-
-        g = self._gather_for()
-        g.reserve(rows)
-        g.gather(spread_ids(self.manifest.rows, rows, torch), dtype=torch.bfloat16)
+    def warm(self, rows: int) -> list[float]:
+        """Pay a gather's first-call costs now: scratch for ``rows`` rows (pages faulted in), torch's
+        kernels loaded, and gathers of that many random ids until their time settles (at most 8;
+        ``Gatherer.warm``). Returns each warm-up gather's seconds."""
+        return self._gather_for().warm(rows)
 
     @property
     def scratch(self) -> "Scratch | None":
@@ -224,12 +221,6 @@ def _make_view(buffer: mmap.mmap, entry: region.TensorEntry) -> "torch.Tensor":
     with warnings.catch_warnings():  # the buffer is read-only on purpose: the mapping is PROT_READ
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(buffer, dtype=dtype, count=count, offset=entry.offset).reshape(entry.shape)
-
-
-def spread_ids(total: int, n: int, torch) -> "torch.Tensor":
-    """``n`` row ids spread evenly over [0, total), first and last included, in integer arithmetic (a float32
-    linspace rounds the last id of a table of 42,949,664 rows up to 42,949,664, past the end)."""
-    return torch.arange(n, dtype=torch.int64) * (total - 1) // max(n - 1, 1)
 
 
 class TensorViews(Mapping):
