@@ -137,10 +137,16 @@ class Table:
             counts: dict[str, int] = {}
             for t in entries:
                 counts[t.name] = counts.get(t.name, 0) + 1
+            stems: dict[int, str] = {}  # a shard's file stem, worked out only for names that need it
             keyed = {}
             for index, t in enumerate(entries):
-                stem = os.path.splitext(os.path.basename(self.shards[t.shard].path))[0]
-                keyed[t.name if counts[t.name] == 1 else f"{stem}/{t.name}"] = index
+                if counts[t.name] == 1:
+                    keyed[t.name] = index
+                    continue
+                stem = stems.get(t.shard)
+                if stem is None:
+                    stem = stems[t.shard] = os.path.splitext(os.path.basename(self.shards[t.shard].path))[0]
+                keyed[f"{stem}/{t.name}"] = index
             self._names = TensorViews(self.view, keyed)
         return self._names
 
