@@ -112,3 +112,23 @@ def test_warm_runs_gathers_until_their_time_settles(sidecar, daemon):
         assert settled(times) or len(times) == WARM_MAX_GATHERS
         assert not any(settled(times[:k]) for k in range(len(times))), "warm-up went on after it had settled"
         assert t.scratch.rows == 2048
+
+
+@pytest.mark.parametrize("durations,gathers", [([5.0, 3.0, 2.0, 2.05, 9.0, 9.0, 9.0, 9.0], 4),  # settles at the 4th
+                                               ([1.0, 2.0] * 4, 8)])  # never settles: stops at the bound
+def test_warm_stops_where_the_gathers_settle(sidecar, daemon, durations, gathers):
+    """The stopping rule, with each gather's duration scripted by the clock (the gathers themselves are real)."""
+    d = sidecar("ples_int4", shards=SHARDS, rows=ROWS)
+    pled = daemon({"t": d})
+
+    def ticks():
+        now = 0.0
+        for step in durations:
+            yield now
+            now += step
+            yield now
+
+    tick = ticks()
+    with client.attach("t", socket=pled.socket) as t:
+        times = t._gather_for().warm(256, clock=lambda: next(tick))
+        assert times == pytest.approx(durations[:gathers])

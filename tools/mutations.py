@@ -93,6 +93,12 @@ MUTATIONS = [
     Mutation("a client imports daemon code", "pled/client/library.py",
              "from pled.shared import protocol, region\n", "from pled.shared import protocol, region\nfrom pled.daemon import config  # noqa\n",
              ("tests/test_layering.py",)),
+    Mutation("warm-up stops after one gather", "pled/client/gather.py",
+             "        while len(times) < max_gathers and not settled(times):\n", "        while not times:\n",
+             ("tests/test_gather_scratch.py::test_warm_stops_where_the_gathers_settle",)),
+    Mutation("warm-up goes on after its gathers have settled", "pled/client/gather.py",
+             "        while len(times) < max_gathers and not settled(times):\n", "        while len(times) < max_gathers:\n",
+             ("tests/test_gather_scratch.py::test_warm_stops_where_the_gathers_settle",)),
 ]
 
 

@@ -128,18 +128,18 @@ class Gatherer:
                 t.zero_()  # fault the pages in now, not during a request
         return self.scratch
 
-    def warm(self, rows: int, max_gathers: int = WARM_MAX_GATHERS) -> list[float]:
+    def warm(self, rows: int, max_gathers: int = WARM_MAX_GATHERS, clock=time.perf_counter) -> list[float]:
         """Scratch for ``rows`` rows, then gathers of ``rows`` random ids until two in a row take the
-        same time (``settled``), at most ``max_gathers``. Returns each gather's seconds."""
+        same time (``settled``), at most ``max_gathers``. Returns each gather's seconds by ``clock``."""
         self.reserve(rows)
         out = torch.empty((rows, self.width), dtype=torch.bfloat16)
         generator = torch.Generator().manual_seed(_WARM_SEED)
         times: list[float] = []
         while len(times) < max_gathers and not settled(times):
             ids = torch.randint(0, self.rows, (rows,), generator=generator)
-            start = time.perf_counter()
+            start = clock()
             self.gather(ids, out=out)
-            times.append(time.perf_counter() - start)
+            times.append(clock() - start)
         return times
 
     def gather(self, row_ids, out: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
