@@ -133,7 +133,8 @@ def run(socket: str, table: str, repeats: int, requests: int, ids: int, settle=N
                 f"after {r['faults_after_first']}, after {IDLE_S} s idle {r['after_idle_over_asymptote']:.2f}")
     keys = ("first", "asymptote", "first_over_asymptote", "requests_to_5pct", "faults_first", "faults_after_first",
             "faults_after_first_mean", "populate_s", "after_idle_over_asymptote")
-    out = {"cases": {c: {k: _summary([r[k] for r in rs]) for k in keys} | {"runs": rs} for c, rs in runs.items()}}
+    out = {"cases": {c: {k: _summary([r[k] for r in rs]) for k in keys} | {"runs": rs} for c, rs in runs.items()},
+           "idle_s": IDLE_S}
     # rows/s of Table.gather over the op chain, per repeat (the two ran within the same minute)
     out["speedup_over_op_chain"] = _summary([a["asymptote"] / b["asymptote"]
                                              for a, b in zip(runs["Table.gather"], runs["op chain"])])
@@ -163,7 +164,7 @@ def report_lines(res: dict) -> list[str]:
              "per shard (bench/op_chain.py); Table.gather with `attach(..., warm_rows=ids)` (gathers of random ids "
              "until two in a row take the same time), and without it. "
              "Faults: the process's minor page faults during one request. After idle: once the requests are done, the "
-             f"process sleeps {IDLE_S} s and times one request more; no warm-up can reach that one, so it shows what "
+             f"process sleeps {first.get('idle_s', IDLE_S)} s and times one request more; no warm-up can reach that one, so it shows what "
              "any request after a pause costs on this machine, beside what the first one costs.", "",
              "| pages | case | first / asymptote | asymptote, rows/s | requests to within 5% | faults, first request | "
              "faults per request after the first (max) | after idle / asymptote |", "|---|---|---|---|---|---|---|---|"]
