@@ -12,8 +12,10 @@ offload worker's pinned buffers are:
 - op chain: bench/op_chain.py (index_select, stack the nibbles, repeat_interleave the scales, per
   shard), the same warm-up;
 - Table.gather: ``attach(..., warm_rows=ids)`` then ``table.gather(ids, out=out)``;
-- Table.gather, no warm-up: the same without ``warm_rows``, to show what it buys.
-The cases run interleaved (A, B, C, D, A, B, ...) so a slow minute hits all of them alike.
+- Table.gather, no warm-up: the same without ``warm_rows``, to show what it buys;
+- Table.gather, 1 torch thread: with warm-up, ``torch.set_num_threads(1)``: torch's thread pool, whose
+  threads sleep when idle, set aside.
+The cases run interleaved (A, B, C, D, E, A, B, ...) so a slow minute hits all of them alike.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from pathlib import Path
 from bench import report
 
 ROOT = Path(__file__).resolve().parent.parent
-CASES = ("numpy worker", "op chain", "Table.gather", "Table.gather, no warm-up")
+CASES = ("numpy worker", "op chain", "Table.gather", "Table.gather, no warm-up", "Table.gather, 1 torch thread")
 
 
 # -- one run in a fresh process ------------------------------------------------------------------
@@ -44,8 +46,10 @@ def _torch_setup(case: str, table: str, socket: str, ids: int):
 
     from pled.client import attach
 
+    if case == "Table.gather, 1 torch thread":
+        torch.set_num_threads(1)  # no thread pool to wake: the numpy worker's case, with pled's gather
     if case.startswith("Table.gather"):
-        t = attach(table, socket=socket, timeout=600, warm_rows=ids if case == "Table.gather" else 0)
+        t = attach(table, socket=socket, timeout=600, warm_rows=0 if case.endswith("no warm-up") else ids)
         return t, t.gather
     from bench import op_chain
 
@@ -159,10 +163,11 @@ def report_lines(res: dict) -> list[str]:
     n = first["cases"]["Table.gather"]["first"]["n"]
     lines = ["## 6. pled's own `Table.gather`", "",
              f"{res['gather_ids']} random row ids per request, {res['gather_requests']} requests per run, into a "
-             f"bfloat16 output allocated once; each case {n} times in fresh processes, interleaved (A, B, C, D, A, ...), "
+             f"bfloat16 output allocated once; each case {n} times in fresh processes, interleaved (A, B, C, ..., A, ...), "
              "all pre-faulted. numpy worker: section 3's gather; op chain: the published offload worker's torch ops "
              "per shard (bench/op_chain.py); Table.gather with `attach(..., warm_rows=ids)` (gathers of random ids "
-             "until two in a row take the same time), and without it. "
+             "until two in a row take the same time), without it, and with it on one torch thread "
+             "(`torch.set_num_threads(1)`; the others use torch's default, one thread a core). "
              "Faults: the process's minor page faults during one request. After idle: once the requests are done, the "
              f"process sleeps {first.get('idle_s', IDLE_S)} s and times one request more; no warm-up can reach that one, so it shows what "
              "any request after a pause costs on this machine, beside what the first one costs.", "",
