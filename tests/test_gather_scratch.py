@@ -98,8 +98,8 @@ def test_settled_compares_the_last_two_gathers(times, expected):
 
 
 def test_warm_runs_gathers_until_their_time_settles(sidecar, daemon):
-    """One warm-up gather left a fresh process's next requests at ~0.85 of their speed (bench section 6);
-    warm repeats until two gathers take the same time, within its bound, and leaves torch's RNG alone."""
+    """One warm-up gather left a fresh process's next requests at ~0.85 of their speed (measured when warm was
+    changed); warm repeats until two gathers take the same time, within its bound, and leaves torch's RNG alone."""
     from pled.client.gather import WARM_MAX_GATHERS, settled
 
     d = sidecar("ples_int4", shards=SHARDS, rows=ROWS)

@@ -13,9 +13,10 @@ Every buffer lives in a ``Scratch`` kept for the next request, sized for the lar
 seen: a steady stream of requests allocates nothing but small 0-d tensors, so it takes no page
 faults. ``Gatherer.warm`` pays a process's first gathers before any request: it makes the scratch,
 then runs gathers of random ids until two in a row take the same time within 5% (at most 8). One
-warm-up gather was not enough: the next gathers of a fresh process still ran at about 0.85 of
-their steady speed (docs/BENCHMARKS.md, section 6). Torch on the CPU makes a temporary for every op whose inputs or output differ in dtype
-from the computation's, so each dtype change here is an explicit ``copy_`` into scratch.
+warm-up gather was not enough: measured when this was written, a fresh process's next gathers
+still ran at about 0.85 of their steady speed. Torch on the CPU makes a temporary for every op
+whose inputs or output differ in dtype from the computation's, so each dtype change here is an
+explicit ``copy_`` into scratch.
 
 The results are bit-identical to the per-shard op chain (index_select, stack the nibbles,
 repeat_interleave the scales, multiply in float32, cast to ``out``'s dtype; see
