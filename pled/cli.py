@@ -41,9 +41,9 @@ def _inspect(args) -> int:
         print(f"  row width  {sidecar.row_width}")
     print(f"  bytes      {sidecar.nbytes} ({gib(sidecar.nbytes)}); region {manifest.region_bytes} ({gib(manifest.region_bytes)}) with alignment")
     if sidecar.meta:
-        from pled.daemon.sidecar_meta import other_keys
+        from pled.daemon.sidecar_meta import COUNT_KEYS, other_keys
 
-        said = [f"{k} = {json.dumps(sidecar.meta[k])}" for k in ("layout", "shards", "rows", "width") if k in sidecar.meta]
+        said = [f"{k} = {json.dumps(sidecar.meta[k])}" for k in ("layout", *COUNT_KEYS) if k in sidecar.meta]
         print(f"  META.json  {', '.join(said) or 'no identity keys'} (checked against the shards)")
         for key, value in other_keys(sidecar.meta).items():
             print(f"    {key} = {json.dumps(value)}")

@@ -86,7 +86,9 @@ def test_an_unknown_layout_string_is_a_warning_and_the_tensors_decide(sidecar):
 def test_pleds_earlier_keys_are_still_accepted_and_checked(sidecar):
     d = sidecar("ples_fp8", shards=2, rows=32)
     edit_meta(d, layout="ples_fp8", num_shards=2, total_rows=64, row_width=160, shards=None, rows=None, width=None)
-    assert run_pled("inspect", d).returncode == 0
+    r = run_pled("inspect", d)
+    assert r.returncode == 0, r.stderr
+    assert 'layout = "ples_fp8", num_shards = 2, total_rows = 64, row_width = 160 (checked against the shards)' in r.stdout
     edit_meta(d, total_rows=65)
     r = run_pled("inspect", d)
     assert r.returncode == 78 and "says total_rows = 65 but the shards give 64" in r.stderr
