@@ -40,8 +40,6 @@ EXTEND_EVERY = 5.0
 RESIDENCY_EVERY = 60.0
 SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
 
-# Kept for callers of the old single-module daemon.
-open_tables, plan_tables, run_preflight = planning.open_tables, planning.plan_tables, planning.run_preflight
 
 
 class Daemon:

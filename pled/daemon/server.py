@@ -21,19 +21,17 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from pled.daemon import fdlimit
 from pled.shared import protocol
 from pled.daemon.access import Policy, peer_of
 from pled.shared.boundary import clip
 from pled.daemon.session import CALL_TIMEOUT, MAX_FDS_PER_CONNECTION, MAX_UNREAD, MAX_UNREAD_PER_UID, Session
-from pled.daemon.listener import SocketInUse, bind
+from pled.daemon.listener import bind
 from pled.daemon.throttle import Throttle
 
-__all__ = ["CALL_TIMEOUT", "Session", "PENDING", "Reply", "Server", "SocketInUse"]
+__all__ = ["CALL_TIMEOUT", "Session", "PENDING", "Reply", "Server"]
 
 log = logging.getLogger(__name__)
 
-MAX_CONNECTIONS = fdlimit.CONNECTIONS_CAP
 ACCEPT_PAUSE = 0.5  # seconds the listener rests after accept() found no fd free
 MAX_HELD = 64  # calls a client may send behind one still waiting for its answer
 PENDING = object()  # a handler's answer when the reply comes later (Attach with wait)
@@ -51,7 +49,7 @@ Handler = Callable[[Session, str, dict], "Reply | object"]
 
 class Server:
     def __init__(self, path: str, policy: Policy, handler: Handler, on_close: Callable[[Session], None], *,
-                 max_connections: int = MAX_CONNECTIONS, max_fds_per_uid: int = 256) -> None:
+                 max_connections: int, max_fds_per_uid: int) -> None:
         self.path = path
         self.policy = policy
         self.handler = handler
@@ -236,7 +234,7 @@ class Server:
     # -- replies -----------------------------------------------------------------------------
 
     def send(self, conn: Session, reply: Reply) -> None:
-        if self._sel is None or conn.fd not in self.connections or self.connections[conn.fd] is not conn or conn.closing:
+        if self._sel is None or not self._live(conn):
             return  # shutting down, or the peer is gone
         try:
             if reply.fds and not self._room_for_fds(conn, len(reply.fds)):

@@ -15,6 +15,7 @@ import threading
 from typing import Callable, Iterator
 
 from pled.daemon import staging
+from pled.daemon.loop import drain
 from pled.shared.errors import PledError
 from pled.shared.sizes import gib, rate
 
@@ -106,11 +107,7 @@ class Stager:
 
     def events(self) -> Iterator[tuple]:
         """Every event posted so far (call when event_fd is readable, and at stop)."""
-        try:
-            while os.read(self.event_fd, 4096):
-                pass
-        except BlockingIOError:
-            pass
+        drain(self.event_fd)
         while True:
             try:
                 yield self._events.get_nowait()

@@ -32,7 +32,7 @@ FULLY_RESIDENT = 0.9995
 
 MAX_CALL = 64 * 1024  # a call is a method name and a table name: anything bigger is refused
 MAX_CALL_DEPTH = 8  # {"parameters": {...}} is 2 levels: deeper nesting is refused before parsing
-# The largest reply is Status: every table, and every attached client (at most server.MAX_CONNECTIONS, each a
+# The largest reply is Status: every table, and every attached client (at most fdlimit.CONNECTIONS_CAP, each a
 # few hundred bytes with its command line), about 2 MB at worst. The manifest travels in the region, not in replies.
 MAX_REPLY = 8 * 1024 * 1024
 
