@@ -167,12 +167,13 @@ class Daemon:
             getattr(self, f"handle_{name[3:].lower()}")()
 
     def handle_term(self) -> None:
-        log.info("SIGTERM: stopping")
-        self.notifier.stopping()
-        self.stopping.set()
+        self._stop("SIGTERM")
 
     def handle_int(self) -> None:
-        log.info("SIGINT: stopping")
+        self._stop("SIGINT")
+
+    def _stop(self, signal_name: str) -> None:
+        log.info("%s: stopping", signal_name)
         self.notifier.stopping()
         self.stopping.set()
 
