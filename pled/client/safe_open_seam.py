@@ -91,7 +91,8 @@ def wrap(original):
     return safe_open
 
 
-def _patch(module) -> None:
+def patch(module) -> None:
+    """Wrap ``module.safe_open`` (once), sharing the package's wrapper where it has one."""
     target = getattr(module, "safe_open", None)
     if callable(target) and not getattr(target, "__pled__", False):
         module.safe_open = wrap(target)
@@ -104,4 +105,4 @@ def _patch(module) -> None:
 def install() -> None:
     """Wrap ``safe_open`` in safetensors and its torch/numpy modules, now or when they are imported."""
     for name in MODULES:
-        import_hook.after_import(name, _patch)
+        import_hook.after_import(name, patch)

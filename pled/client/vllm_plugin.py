@@ -119,8 +119,7 @@ def _patch_weight_utils(module) -> None:
         module.safetensors_weights_iterator = _wrap_iterator(target, module)
         wrapped.append(ITERATOR)
     if callable(getattr(module, "safe_open", None)):
-        if not getattr(module.safe_open, "__pled__", False):
-            module.safe_open = safe_open_seam.wrap(module.safe_open)
+        safe_open_seam.patch(module)
         wrapped.append("safe_open")
     left += [f"{name} ({why})" for name, why in LEFT_ALONE.items() if callable(getattr(module, name, None))]
     emit(logging.INFO if wrapped else logging.WARNING,
