@@ -214,3 +214,20 @@ def test_close_is_idempotent(sidecar):
     with pytest.raises(OSError) as err:
         os.fstat(fd)
     assert err.value.errno == errno.EBADF
+
+
+@pytest.mark.parametrize("swap", ["fifo", "device"])
+def test_a_shard_swapped_for_a_fifo_or_device_after_validation_is_refused_unopened(sidecar, swap):
+    """Staging opens each shard as the regular file it must be (boundary.open_regular): a FIFO or a device put in
+    its place after validation is refused by its stat, never opened (opening some devices has effects)."""
+    d = sidecar(shards=3, rows=100)
+    s = open_table(str(d))
+    shard = d / "shard_1.safetensors"
+    shard.unlink()
+    if swap == "fifo":
+        os.mkfifo(shard)
+    else:
+        os.symlink("/dev/null", shard)
+    with pytest.raises(StagingError, match=r"cannot stage .*shard_1\.safetensors: is a (FIFO|character device), not a regular "
+                                           r"file; nothing of it is served"):
+        staging.stage("t", s)

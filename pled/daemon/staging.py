@@ -13,13 +13,13 @@ import hashlib
 import logging
 import mmap
 import os
-import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
 from pled.shared import hugepages, region
+from pled.shared.boundary import BoundaryError, open_regular
 from pled.shared.digests import OWN, new_hasher
 from pled.shared.errors import EX_OK, PledError, SidecarError, StagingError
 from pled.shared.pagecache import mapping_address
@@ -116,9 +116,9 @@ class Pacer:
 
 def _copy_shard(shard: Shard, offset: int, fd: int, view: memoryview | None, pacer: Pacer, table: str) -> None:
     try:
-        src = os.open(shard.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)  # a FIFO never blocks
-    except OSError as err:
-        raise StagingError(table, f"cannot open {shard.path} ({err.strerror})") from err
+        src = open_regular(shard.path)  # a FIFO or device put in its place since validation is never opened
+    except BoundaryError as err:
+        raise StagingError(table, f"cannot stage {shard.path}: {err}; nothing of it is served") from err
     try:
         _check_unchanged(src, shard, table)
         os.posix_fadvise(src, 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -154,9 +154,7 @@ def _copy_shard(shard: Shard, offset: int, fd: int, view: memoryview | None, pac
 
 
 def _check_unchanged(src: int, shard: Shard, table: str) -> None:
-    st = os.fstat(src)
-    if not stat.S_ISREG(st.st_mode):
-        raise StagingError(table, f"{shard.path} is no longer a regular file; nothing of it is served")
+    st = os.fstat(src)  # an open fd's file type cannot change: open_regular saw a regular file
     if st.st_size != shard.size or st.st_mtime_ns != shard.mtime_ns:
         what = f"size {st.st_size}, was {shard.size}" if st.st_size != shard.size else "modified"
         raise StagingError(
