@@ -100,3 +100,69 @@ def assert_serving(pled, table: str, source: Path | None = None, before: tuple[i
         fds, mem = before
         assert settle_fds(pled, fds) <= fds, f"pled holds {pled.fds()} fds, {fds} before"
         assert rss(pled.pid) <= mem + RSS_BOUND, f"pled's RSS {rss(pled.pid) / MiB:.0f} MiB, {mem / MiB:.0f} MiB before"
+
+
+# -- a reply left waiting in pled: the peer's socket is full when it is written (issue 19, finding 1) --------
+
+PING = protocol.call(protocol.PING)
+PING_REPLY = len(protocol.encode(protocol.reply()))
+
+
+def unread(s: socket.socket) -> int:
+    """Bytes waiting to be read on ``s`` (FIONREAD), once pled has stopped writing to it."""
+    import fcntl
+    import struct
+    import termios
+
+    last, stable_since = -1, time.monotonic()
+    while time.monotonic() - stable_since < 0.3:
+        now = struct.unpack("i", fcntl.ioctl(s.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+        if now != last:
+            last, stable_since = now, time.monotonic()
+        time.sleep(0.02)
+    return last
+
+
+def ping_capacity(sock_path: str) -> int:
+    """How many Ping replies the kernel takes from pled for one peer before a write would block: measured."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(sock_path)
+        s.setblocking(False)
+        try:
+            s.send(PING * 3000)
+        except BlockingIOError:
+            pass
+        n = unread(s)
+        assert n % PING_REPLY == 0, f"{n} bytes of Ping replies are not whole replies of {PING_REPLY}"
+        return n // PING_REPLY
+    finally:
+        s.close()
+
+
+def stuck_call(sock_path: str, call: bytes, capacity: int, tries: int = 6) -> socket.socket:
+    """A connection whose reply to ``call`` waits in pled, unwritten: ``capacity`` Pings fill what the kernel
+    takes for this peer, then ``call``. Returns the connection, its Ping replies unread."""
+    for extra in range(tries):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(sock_path)
+        s.sendall(PING * (capacity + extra) + call)
+        if unread(s) == (capacity + extra) * PING_REPLY:
+            return s
+        s.close()
+    raise AssertionError(f"no reply stayed in pled after {capacity}..{capacity + tries - 1} Pings")
+
+
+def read_all(s: socket.socket, quiet: float = 1.0) -> tuple[bytes, list[int]]:
+    """Everything pled sends on ``s`` until it closes it or sends nothing for ``quiet`` seconds: (bytes, fds)."""
+    s.settimeout(quiet)
+    data, fds = b"", []
+    while True:
+        try:
+            chunk, got, _, _ = socket.recv_fds(s, 1 << 20, 16)
+        except (ConnectionResetError, TimeoutError):
+            return data, fds
+        fds += got
+        data += chunk
+        if not chunk:
+            return data, fds

@@ -118,13 +118,22 @@ def test_writes_through_a_client_mapping_fail(sidecar, daemon):
     with client.attach("ples_int4", socket=pled.socket) as t:
         with pytest.raises(TypeError):
             t.buffer[0:1] = b"X"  # the mapping is PROT_READ
-        for prot in (0x1 | 0x2,):  # a second, writable mapping of the same fd
-            import mmap
+        import fcntl
+        import mmap
 
-            with pytest.raises(PermissionError):
-                mmap.mmap(t.fd, t.manifest.region_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        with pytest.raises(PermissionError):
+        assert fcntl.fcntl(t.fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY  # pled sends a read-only fd
+        with pytest.raises(PermissionError):  # a second, writable mapping of the same fd
+            mmap.mmap(t.fd, t.manifest.region_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        with pytest.raises(OSError):
             os.pwrite(t.fd, b"X", 0)
+        writable = os.open(f"/proc/self/fd/{t.fd}", os.O_RDWR)  # root may reopen it writable: the seals still hold
+        try:
+            with pytest.raises(PermissionError):
+                os.pwrite(writable, b"X", 0)
+            with pytest.raises(PermissionError):
+                mmap.mmap(writable, t.manifest.region_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(writable)
     # A write through a torch view faults the writer, and only the writer.
     code = textwrap.dedent(f"""
         from pled.client import attach

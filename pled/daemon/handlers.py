@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 from pled.shared import protocol
 from pled.daemon import tables
 from pled.shared.boundary import clip
-from pled.daemon.session import Session
-from pled.daemon.server import PENDING, Reply
+from pled.daemon.session import Reply, Session
+from pled.daemon.server import PENDING
 
 if TYPE_CHECKING:
     from pled.daemon.lifecycle import Daemon
@@ -82,16 +82,21 @@ class Handlers:
             self.answer(conn, self.attach_reply(conn, t))
 
     def attach_reply(self, conn: Session, t: "TableState") -> Reply:
-        first = t.name not in conn.attached
-        conn.attached[t.name] = t.generation
-        if first:
-            log.info("client attached: table %s generation %d to %s; %d client(s) attached",
-                     t.name, t.generation, conn.peer.describe(), self.attached_count())
-            if self.d.ready:
-                self.d.set_status(self.d.serving_line())
+        """The reply carries the region (a read-only fd of its own, opened when it is queued); the client counts
+        as attached once the kernel has accepted the message that carries it, not before."""
         # The manifest itself travels in the region's header; the reply names what the client must find there.
         return Reply(protocol.reply(table=t.name, generation=t.generation, fingerprint=t.manifest.fingerprint,
-                                    region_bytes=t.manifest.region_bytes), fds=(t.region.fd,))
+                                    region_bytes=t.manifest.region_bytes), regions=(t.region,),
+                     on_sent=lambda: self._attached(conn, t.name, t.generation))
+
+    def _attached(self, conn: Session, name: str, generation: int) -> None:
+        first = name not in conn.attached
+        conn.attached[name] = generation
+        if first:
+            log.info("client attached: table %s generation %d to %s; %d client(s) attached",
+                     name, generation, conn.peer.describe(), self.attached_count())
+            if self.d.ready:
+                self.d.set_status(self.d.serving_line())
 
     def attached_count(self) -> int:
         server = self.d.server

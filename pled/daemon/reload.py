@@ -24,9 +24,9 @@ from pled.shared import protocol
 from pled.daemon.access import Policy
 from pled.shared.boundary import clip
 from pled.daemon.config import Config
-from pled.daemon.session import Session
+from pled.daemon.session import Reply, Session
 from pled.shared.errors import PledError
-from pled.daemon.server import PENDING, Reply
+from pled.daemon.server import PENDING
 from pled.daemon.tables import TableState
 
 if TYPE_CHECKING:

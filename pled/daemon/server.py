@@ -18,13 +18,13 @@ import socket
 import stat
 import os
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 from pled.shared import protocol
 from pled.daemon.access import Policy, peer_of
 from pled.shared.boundary import clip
-from pled.daemon.session import CALL_TIMEOUT, MAX_FDS_PER_CONNECTION, MAX_UNREAD, MAX_UNREAD_PER_UID, Session
+from pled.daemon.session import (CALL_TIMEOUT, MAX_FDS_PER_CONNECTION, MAX_UNREAD, MAX_UNREAD_PER_UID, Outgoing,
+                                 Reply, Session)
 from pled.daemon.listener import bind
 from pled.daemon.throttle import Throttle
 
@@ -35,13 +35,6 @@ log = logging.getLogger(__name__)
 ACCEPT_PAUSE = 0.5  # seconds the listener rests after accept() found no fd free
 MAX_HELD = 64  # calls a client may send behind one still waiting for its answer
 PENDING = object()  # a handler's answer when the reply comes later (Attach with wait)
-
-
-@dataclass
-class Reply:
-    message: dict
-    fds: tuple[int, ...] = ()
-    close_after: bool = False
 
 
 Handler = Callable[[Session, str, dict], "Reply | object"]
@@ -74,6 +67,12 @@ class Server:
             if self._paused_until is None:
                 self._sel.unregister(self.listener)
             self._sel = None
+
+    def stop_listening(self) -> None:
+        """pled is stopping: leave the selector and close the listener now, so that a client connecting
+        meanwhile is refused (ECONNREFUSED) instead of waiting for an answer; close() does the rest."""
+        self.unregister()
+        self.listener.close()
 
     def close(self) -> None:
         self.unregister()
@@ -237,19 +236,30 @@ class Server:
         if self._sel is None or not self._live(conn):
             return  # shutting down, or the peer is gone
         try:
-            if reply.fds and not self._room_for_fds(conn, len(reply.fds)):
+            if reply.regions and not self._room_for_fds(conn, len(reply.regions)):
                 return
             data = protocol.encode(reply.message)
             if conn.out_bytes + len(data) > MAX_UNREAD or self._unread_of(conn.peer.uid) + len(data) > MAX_UNREAD_PER_UID:
                 self._drop(conn, f"{conn.out_bytes + len(data)} bytes of replies it does not read")
                 return
-            conn.queue(data, reply.fds)
+            conn.queue(self._outgoing(conn, data, reply))
             conn.closing = reply.close_after
             self._flush(conn)
         except Exception as err:
             self._throttle.log(("send", type(err).__name__), log.exception, "dropping %s: sending a reply failed: %s",
                                conn.peer.describe(), clip(err))
             self._drop(conn, None)
+
+    def _outgoing(self, conn: Session, data: bytes, reply: Reply) -> Outgoing:
+        """The reply with fds of its own for its regions; without a free fd, the caller's error instead."""
+        try:
+            return Outgoing.of(data, reply)
+        except OSError as err:
+            self._throttle.log("nofd", log.warning, "cannot send a table to %s: %s (%d connections open); it may try "
+                               "again (raise LimitNOFILE= if this persists)", conn.peer.describe(), err.strerror,
+                               len(self.connections))
+            return Outgoing(protocol.encode(protocol.error(protocol.INTERNAL_ERROR, reason=f"pled has no file descriptor "
+                                                          f"free to send the table ({err.strerror}); try again")), [])
 
     def _unread_of(self, uid: int) -> int:
         return sum(c.out_bytes for c in self.connections.values() if c.peer.uid == uid)
@@ -273,21 +283,23 @@ class Server:
 
     def _flush(self, conn: Session) -> None:
         while conn.out:
-            chunk, fds = conn.out[0]
+            reply = conn.out[0]
             try:
-                if fds:
-                    sent = socket.send_fds(conn.sock, [chunk], list(fds))
+                if reply.fds:
+                    sent = socket.send_fds(conn.sock, [reply.data], reply.fds)
                 else:
-                    sent = conn.sock.send(chunk)
+                    sent = conn.sock.send(reply.data)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as err:
-                if err.errno == errno.ETOOMANYREFS:
-                    self._too_many_refs(conn)
-                else:  # the peer went away mid-reply
+                if err.errno == errno.ETOOMANYREFS and self._too_many_refs(conn):
+                    break  # the reply (with its own fds) waits; the stall clock runs for it as for any other
+                if err.errno != errno.ETOOMANYREFS:  # the peer went away mid-reply
                     self._drop(conn, None)
                 return
-            conn.sent(sent, len(fds))
+            on_sent = conn.sent(sent)
+            if on_sent is not None:
+                on_sent()  # the kernel took the fds: now the peer holds them
         if conn.out:
             conn.stalled_since = conn.stalled_since or time.monotonic()
         else:
@@ -297,21 +309,22 @@ class Server:
                 return
         self._watch(conn)
 
-    def _too_many_refs(self, conn: Session) -> None:
-        """The kernel refuses more fds in flight for pled's user: the connection holding most of them goes."""
+    def _too_many_refs(self, conn: Session) -> bool:
+        """The kernel refuses more fds in flight for pled's user: the connection holding most of them goes.
+        True if that was another one, so ``conn``'s reply waits (holding its own fds) and is tried again."""
         holders = [c for c in self.connections.values() if c is not conn]
         greedy = max(holders, key=lambda c: c.fds_in_flight(), default=None)
         if greedy is None or greedy.fds_in_flight() == 0:
             greedy = conn
         self._drop(greedy, f"the kernel refuses to send more table fds (ETOOMANYREFS); this connection holds "
                            f"{greedy.fds_in_flight()} unread")
-        if greedy is not conn and self._live(conn):
-            self._watch(conn)  # try again when writable
+        return greedy is not conn and self._live(conn)
 
     def _drop(self, conn: Session, why: str | None) -> None:
         if self.connections.get(conn.fd) is not conn:
             return
         del self.connections[conn.fd]
+        conn.discard()  # the fds of replies it will never read
         if why:
             self._throttle.log(("drop", conn.peer.pid), log.warning, "dropping %s: %s", conn.peer.describe(), why)
         if self._sel is not None:

@@ -6,19 +6,28 @@ one reply in pled's memory; one that leaves a reply unread for CALL_TIMEOUT is d
 with Attach replies stay "in flight" (counted against pled's user by the kernel, which refuses more with
 ETOOMANYREFS past pled's open-file limit) until the peer receives them, so they are bounded per
 connection and per peer uid by the server.
+
+A reply waiting to be written owns the fds it will carry (``Outgoing``): duplicates opened when it was
+queued, read-only where /proc lets pled reopen the memfd, closed as soon as the kernel has taken them or
+when the reply is dropped. A queued reply never holds an fd *number* someone else may close: a reload that
+releases a table while a reply waits changes nothing about what that reply sends.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
+import os
 import socket
 import struct
 import termios
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from pled.shared import protocol
 from pled.daemon.access import Peer
+from pled.shared.region import Region
 
 CALL_TIMEOUT = 5.0  # seconds a half-sent call, or an unread reply, may wait
 MAX_UNREAD = 4 * 1024 * 1024  # bytes of replies queued for one connection (one Status of thousands of clients)
@@ -34,6 +43,57 @@ def unsent_in_kernel(sock: socket.socket) -> int:
         return 0
 
 
+def readonly_duplicate(fd: int) -> int:
+    """A new fd for the file behind ``fd``, owned by the caller: a read-only reopening of it through /proc
+    (a client then holds no writable file description at all), or, where /proc is not there, a duplicate."""
+    try:
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as err:
+        if err.errno in (errno.EMFILE, errno.ENFILE):
+            raise
+        return fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 0)
+
+
+@dataclass
+class Reply:
+    """A handler's answer. ``regions`` go with it as fds: each is opened anew (read-only) when the reply is
+    queued and owned by it until the kernel takes it; ``on_sent`` runs once the kernel has accepted them."""
+    message: dict
+    regions: tuple[Region, ...] = ()
+    close_after: bool = False
+    on_sent: Callable[[], None] | None = None
+
+
+class Outgoing:
+    """One reply waiting to be written: its bytes, the fds that go with its first byte (owned by this reply),
+    and what to do once the kernel has taken them (``on_sent``: record the attach)."""
+
+    __slots__ = ("data", "fds", "on_sent")
+
+    def __init__(self, data: bytes, fds: list[int], on_sent: Callable[[], None] | None = None) -> None:
+        self.data = bytearray(data)
+        self.fds = fds
+        self.on_sent = on_sent
+
+    @classmethod
+    def of(cls, data: bytes, reply: Reply) -> "Outgoing":
+        """``data`` with new fds for the reply's regions (OSError, with none left open, where no fd is free)."""
+        fds: list[int] = []
+        try:
+            for r in reply.regions:
+                fds.append(readonly_duplicate(r.fd))
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return cls(data, fds, reply.on_sent)
+
+    def close_fds(self) -> None:
+        fds, self.fds = self.fds, []
+        for fd in fds:
+            os.close(fd)
+
+
 @dataclass(eq=False)
 class Session:
     sock: socket.socket
@@ -42,7 +102,7 @@ class Session:
     since: float = field(default_factory=time.monotonic)
     framer: protocol.Framer = field(default_factory=lambda: protocol.Framer(protocol.MAX_CALL))
     inbox: deque = field(default_factory=deque)  # calls received, not yet handled (one reply waits)
-    out: deque = field(default_factory=deque)  # [bytearray, fds] chunks not yet sent
+    out: deque[Outgoing] = field(default_factory=deque)  # replies not yet (fully) written
     out_bytes: int = 0
     fds_sent: int = 0  # fds handed to the kernel since its queue to the peer was last seen empty
     stalled_since: float | None = None  # when a partial call or an unsent reply began to wait
@@ -55,25 +115,38 @@ class Session:
     def fd(self) -> int:
         return self.sock.fileno()
 
-    def queue(self, data: bytes, fds: tuple[int, ...]) -> None:
-        self.out.append([bytearray(data), fds])
-        self.out_bytes += len(data)
+    def queue(self, reply: Outgoing) -> None:
+        self.out.append(reply)
+        self.out_bytes += len(reply.data)
 
-    def sent(self, nbytes: int, had_fds: int) -> None:
-        chunk = self.out[0]
-        del chunk[0][:nbytes]
-        chunk[1] = ()  # the fds went with the first byte
+    def sent(self, nbytes: int) -> Callable[[], None] | None:
+        """``nbytes`` of the first queued reply went; its fds went with its first byte, so they are closed
+        here (the kernel holds its own references until the peer receives them). Returns the reply's
+        ``on_sent`` when that happened in this call."""
+        reply = self.out[0]
+        done = None
+        if reply.fds:
+            self.fds_sent += len(reply.fds)
+            reply.close_fds()
+            done, reply.on_sent = reply.on_sent, None
+        del reply.data[:nbytes]
         self.out_bytes -= nbytes
-        self.fds_sent += had_fds
         self.last_active = time.monotonic()
-        if not chunk[0]:
+        if not reply.data:
             self.out.popleft()
+        return done
+
+    def discard(self) -> None:
+        """The connection is gone: close the fds of every reply that will never be written."""
+        while self.out:
+            self.out.popleft().close_fds()
+        self.out_bytes = 0
 
     def fds_in_flight(self) -> int:
         """Region fds queued for this peer or sent and not yet received (an upper bound)."""
         if self.fds_sent and unsent_in_kernel(self.sock) == 0:
             self.fds_sent = 0  # the peer has read everything: every fd arrived
-        return self.fds_sent + sum(len(fds) for _, fds in self.out)
+        return self.fds_sent + sum(len(r.fds) for r in self.out)
 
     @property
     def idle(self) -> bool:
