@@ -15,6 +15,7 @@ try:
 except ImportError as err:  # pled[client] alone: the library and the vLLM plugin, not the command
     raise SystemExit(f"pled: the pled command needs the daemon's dependencies ({err.name} is missing): "
                      "pip install 'pled[daemon]'") from None
+from pled.shared.boundary import say
 from pled.shared.layouts import LAYOUTS
 from pled.shared.errors import EX_CONFIG, EX_INTERRUPTED, EX_NOT_RUNNING, EX_USAGE, PledError
 
@@ -32,23 +33,23 @@ def _inspect(args) -> int:
         print(json.dumps({**sidecar.describe(), "region_bytes": manifest.region_bytes}, indent=2))
         return 0
     shards = sidecar.shards
-    print(sidecar.source)
-    print(f"  layout     {sidecar.layout}")
-    print(f"  shards     {len(shards)} ({shards[0].name} .. {shards[-1].name})")
+    say(sidecar.source)
+    say(f"  layout     {sidecar.layout}")
+    say(f"  shards     {len(shards)} ({shards[0].name} .. {shards[-1].name})")
     if sidecar.rows:
         per = sorted({s.rows for s in shards})
-        print(f"  rows       {sidecar.rows} ({'/'.join(map(str, per))} per shard)")
-        print(f"  row width  {sidecar.row_width}")
-    print(f"  bytes      {sidecar.nbytes} ({gib(sidecar.nbytes)}); region {manifest.region_bytes} ({gib(manifest.region_bytes)}) with alignment")
+        say(f"  rows       {sidecar.rows} ({'/'.join(map(str, per))} per shard)")
+        say(f"  row width  {sidecar.row_width}")
+    say(f"  bytes      {sidecar.nbytes} ({gib(sidecar.nbytes)}); region {manifest.region_bytes} ({gib(manifest.region_bytes)}) with alignment")
     if sidecar.meta:
         from pled.daemon.sidecar_meta import COUNT_KEYS, other_keys
 
         said = [f"{k} = {json.dumps(sidecar.meta[k])}" for k in ("layout", *COUNT_KEYS) if k in sidecar.meta]
-        print(f"  META.json  {', '.join(said) or 'no identity keys'} (checked against the shards)")
+        say(f"  META.json  {', '.join(said) or 'no identity keys'} (checked against the shards)")
         for key, value in other_keys(sidecar.meta).items():
-            print(f"    {key} = {json.dumps(value)}")
+            say(f"    {key} = {json.dumps(value)}")
         if "digests" in sidecar.meta:
-            print(f"    digests for {len(sidecar.meta['digests'])} shard(s)")
+            say(f"    digests for {len(sidecar.meta['digests'])} shard(s)")
     return 0
 
 
@@ -61,8 +62,8 @@ def _preflight(args) -> int:
         print(json.dumps(verdict.as_dict(), indent=2))
     else:
         for problem in verdict.problems:
-            print(f"warning: could not read {problem}", file=sys.stderr)
-        print(verdict.message)
+            say(f"warning: could not read {problem}", file=sys.stderr)
+        say(verdict.message)
     return 0 if verdict.ok else EX_CONFIG
 
 
@@ -79,7 +80,7 @@ def _call(args, method: str, command: str) -> tuple[dict | None, int]:
     try:
         return client.call(method, socket=_socket_for(args), timeout=args.timeout), 0
     except client.ClientError as err:
-        print(f"pled {command}: {err}", file=sys.stderr)
+        say(f"pled {command}: {err}", file=sys.stderr)
         return None, EX_NOT_RUNNING if isinstance(err, client.DaemonUnavailable) else 1
 
 
@@ -95,24 +96,24 @@ def _status(args) -> int:
         print(json.dumps({**st, "healthy": healthy}, indent=2))
         return 0 if healthy else 1
     up = int(st["uptime_seconds"])
-    print(f"pled {st['version']}, pid {st['pid']}, up {up // 3600}h {up % 3600 // 60}m {up % 60}s, socket {st['socket']}")
-    print(f"{'TABLE':<16} {'STATE':<8} {'SHARDS':>9} {'SIZE':>10} {'RESIDENT':>8} {'HUGE':>5} {'GEN':>4}  FINGERPRINT")
+    say(f"pled {st['version']}, pid {st['pid']}, up {up // 3600}h {up % 3600 // 60}m {up % 60}s, socket {st['socket']}")
+    say(f"{'TABLE':<16} {'STATE':<8} {'SHARDS':>9} {'SIZE':>10} {'RESIDENT':>8} {'HUGE':>5} {'GEN':>4}  FINGERPRINT")
     notes = []
     for t in st["tables"]:
         resident = f"{t['resident_share']:.0%}" if "resident_share" in t else "-"
         huge = f"{t['huge_page_bytes'] / t['region_bytes']:.0%}" if t.get("huge_page_bytes") is not None else "-"
-        print(f"{t['table']:<16} {t['state']:<8} {t['shards_done']:>4}/{t['shards']:<4} {gib(t['bytes']):>10} "
+        say(f"{t['table']:<16} {t['state']:<8} {t['shards_done']:>4}/{t['shards']:<4} {gib(t['bytes']):>10} "
               f"{resident:>8} {huge:>5} {t['generation']:>4}  {t['fingerprint'][:12]}")
         if t.get("huge_page_note"):
             notes.append(f"{t['table']}: {t['huge_page_note']}")
         if t.get("error"):
             notes.append(f"{t['table']}: {t['error']}")
     for note in notes:
-        print(f"  note: {note}")
+        say(f"  note: {note}")
     clients = st["clients"]
-    print(f"{len(clients)} client(s) attached" + (":" if clients else ""))
+    say(f"{len(clients)} client(s) attached" + (":" if clients else ""))
     for c in clients:
-        print(f"  pid {c['pid']:<8} uid {c['uid']:<6} {', '.join(c['tables']):<16} {c['command'][:80]}")
+        say(f"  pid {c['pid']:<8} uid {c['uid']:<6} {', '.join(c['tables']):<16} {c['command'][:80]}")
     return 0 if healthy else 1
 
 
@@ -141,9 +142,9 @@ def _reload(args) -> int:
     for key in ("changed", "added", "removed", "unchanged"):
         names = result.get(key) or []
         if names:
-            print(f"{key}: " + ", ".join(f"{n} (generation {gens[n]})" if n in gens else n for n in names))
+            say(f"{key}: " + ", ".join(f"{n} (generation {gens[n]})" if n in gens else n for n in names))
     if not any(result.get(k) for k in ("changed", "added", "removed")):
-        print("nothing changed")
+        say("nothing changed")
     return 0
 
 
@@ -165,9 +166,9 @@ def _make_sidecar(args) -> int:
     try:
         paths = make_sidecar(args.dir, args.layout, shards=args.shards, rows=args.rows, width=args.width, seed=args.seed)
     except ValueError as err:
-        print(f"pled make-sidecar: {err}", file=sys.stderr)
+        say(f"pled make-sidecar: {err}", file=sys.stderr)
         return EX_USAGE
-    print(f"wrote {len(paths)} shards and META.json to {args.dir}")
+    say(f"wrote {len(paths)} shards and META.json to {args.dir}")
     return 0
 
 

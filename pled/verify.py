@@ -12,6 +12,7 @@ import time
 
 from pled import client
 from pled.shared import protocol
+from pled.shared.boundary import say
 from pled.shared.digests import hash_bytes
 from pled.shared.errors import EX_NOT_RUNNING
 from pled.shared.sizes import gib, rate
@@ -41,29 +42,29 @@ def verify_shard(table: client.Table, index: int, out=sys.stdout) -> bool:
             algo = shard.digest.partition(":")[0]
             got = f"{algo}:{hash_bytes(algo, region_bytes)}"
             if got != shard.digest:
-                print(f"{prefix} the region no longer matches the digest recorded when it was staged "
+                say(f"{prefix} the region no longer matches the digest recorded when it was staged "
                       f"({got[:23]}... != {shard.digest[:23]}...)", file=out)
                 return False
         try:
             fd = os.open(shard.path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
-            print(f"{prefix} the source file is gone; the region still holds generation {table.generation}", file=out)
+            say(f"{prefix} the source file is gone; the region still holds generation {table.generation}", file=out)
             return False
         start = time.perf_counter()
         try:
             size = os.fstat(fd).st_size
             if size != shard.size:
-                print(f"{prefix} DIFFERS: the file has {size} bytes, the region {shard.size}", file=out)
+                say(f"{prefix} DIFFERS: the file has {size} bytes, the region {shard.size}", file=out)
                 return False
             done = 0
             while done < size:
                 data = os.pread(fd, min(CHUNK, size - done), done)
                 if not data:
-                    print(f"{prefix} the file ended at byte {done} while being read", file=out)
+                    say(f"{prefix} the file ended at byte {done} while being read", file=out)
                     return False
                 if region_bytes[done : done + len(data)] != data:
                     at = done + _first_difference(region_bytes[done : done + len(data)], data)
-                    print(f"{prefix} DIFFERS at byte {at}: the region has 0x{region_bytes[at]:02x}, the file 0x{data[at - done]:02x}",
+                    say(f"{prefix} DIFFERS at byte {at}: the region has 0x{region_bytes[at]:02x}, the file 0x{data[at - done]:02x}",
                           file=out)
                     return False
                 os.posix_fadvise(fd, done, len(data), os.POSIX_FADV_DONTNEED)
@@ -71,7 +72,7 @@ def verify_shard(table: client.Table, index: int, out=sys.stdout) -> bool:
         finally:
             os.close(fd)
         seconds = time.perf_counter() - start
-        print(f"{prefix} identical ({gib(shard.size)}, {rate(shard.size, seconds)})", file=out)
+        say(f"{prefix} identical ({gib(shard.size)}, {rate(shard.size, seconds)})", file=out)
         return True
     finally:
         region_bytes.release()
@@ -84,22 +85,22 @@ def verify(socket: str, table: str | None = None, out=sys.stdout) -> int:
         ok = True
         for name in names:
             with client.attach(name, socket=socket, populate=False) as t:
-                print(f"table {name} generation {t.generation}: {len(t.shards)} shards, {gib(t.manifest.source_bytes)}", file=out)
+                say(f"table {name} generation {t.generation}: {len(t.shards)} shards, {gib(t.manifest.source_bytes)}", file=out)
                 results = [verify_shard(t, i, out) for i in range(len(t.shards))]
                 bad = results.count(False)
-                print(f"table {name}: {'all shards identical' if not bad else f'{bad} shard(s) differ'}", file=out)
+                say(f"table {name}: {'all shards identical' if not bad else f'{bad} shard(s) differ'}", file=out)
                 ok = ok and not bad
         return 0 if ok else 1
     except client.DaemonUnavailable as err:
-        print(f"pled verify: {err}", file=sys.stderr)
+        say(f"pled verify: {err}", file=sys.stderr)
         return EX_NOT_RUNNING
     except client.ClientError as err:
-        print(f"pled verify: {err}", file=sys.stderr)
+        say(f"pled verify: {err}", file=sys.stderr)
         return 1
     except PermissionError as err:
-        print(f"pled verify: cannot read {err.filename} ({err.strerror}); run it as a user who may read the "
+        say(f"pled verify: cannot read {err.filename} ({err.strerror}); run it as a user who may read the "
               "table's source files (root, or pled's user)", file=sys.stderr)
         return 1
     except OSError as err:
-        print(f"pled verify: {err.filename or 'a source file'}: {err.strerror or err}", file=sys.stderr)
+        say(f"pled verify: {err.filename or 'a source file'}: {err.strerror or err}", file=sys.stderr)
         return 1

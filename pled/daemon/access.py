@@ -14,6 +14,8 @@ import socket
 import struct
 from dataclasses import dataclass
 
+from pled.shared.boundary import printable
+
 log = logging.getLogger(__name__)
 
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -78,7 +80,8 @@ def _command(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             argv = f.read().split(b"\0")
-        text = " ".join(" ".join(a.decode(errors="replace").split()) for a in argv if a)  # one line, for logs
+        # one line, every control character escaped (ESC, BEL, U+2028...): a process title is the peer's to set
+        text = printable(" ".join(" ".join(a.decode(errors="replace").split()) for a in argv if a))
         return (text[:117] + "...") if len(text) > 120 else (text or "?")
     except OSError:
         return "?"

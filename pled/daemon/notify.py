@@ -15,6 +15,8 @@ import os
 import socket
 from dataclasses import dataclass
 
+from pled.shared.boundary import printable
+
 log = logging.getLogger(__name__)
 
 SCM_MAX_FD = 253  # the kernel refuses more fds than this in one message
@@ -56,7 +58,7 @@ class Notifier:
         """One datagram: the lines joined by newlines, UTF-8, with ``fds`` attached. False if it did not go."""
         if self._sock is None:
             return False
-        message = "\n".join(lines)
+        message = "\n".join(printable(line) for line in lines)  # a path's newline must not start another field
         try:
             if len(fds) > SCM_MAX_FD:
                 raise OSError(f"{len(fds)} fds in one message; the kernel allows {SCM_MAX_FD}")

@@ -11,7 +11,9 @@ Everything a peer or a file hands pled passes through here first, with stated bo
   digits, no NaN or Infinity, and no key twice in one object. Python's ``json`` has no depth limit of its
   own (it recurses until RecursionError) and turns any digit string into an int, so the depth is measured
   before parsing, and integers are checked by the hook that would build them.
-- ``clip`` shortens what a peer or file said before it goes into a log line or an error.
+- ``printable`` escapes every character a terminal or a log viewer would act on; ``clip`` also shortens
+  what a peer or file said before it goes into a log line or an error. The log formatter
+  (pled.daemon.logs), systemd's STATUS= and ``pled status`` pass everything through ``printable``.
 
 Every refusal is a ``BoundaryError`` (a ``ValueError``), which the caller turns into its own error type
 naming the object: ``SidecarError`` for a shard, ``ConfigError`` for the config, an InvalidMessage reply for
@@ -36,9 +38,32 @@ class BoundaryError(ValueError):
     """Input refused at the boundary; the message says what is wrong, without naming the file."""
 
 
+def printable(text: object) -> str:
+    """``text`` safe for a terminal and a log line: every character that is not printable (Unicode's
+    categories C and Z other than the space: ESC, BEL, the C1 control U+009B, bidirectional overrides,
+    U+2028 and U+2029, which log viewers break lines on) written as an escape, as repr() would."""
+    s = str(text)
+    if s.isprintable():
+        return s
+    return "".join(c if c.isprintable() else _ESCAPES.get(c) or _escape(c) for c in s)
+
+
+_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(c: str) -> str:
+    n = ord(c)
+    return f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}"
+
+
+def say(text: object, file=None) -> None:
+    """One line of the pled command's output for a person: ``print`` of ``printable(text)``."""
+    print(printable(text), file=file)
+
+
 def clip(text: object, limit: int = MAX_CLIP) -> str:
-    """``text`` as it may go into one log line: at most ``limit`` characters, no newlines."""
-    s = str(text).replace("\n", "\\n").replace("\r", "\\r")
+    """``text`` as it may go into one log line: printable (see ``printable``), at most ``limit`` characters."""
+    s = printable(text)
     return s if len(s) <= limit else f"{s[:limit]}... ({len(s)} characters)"
 
 

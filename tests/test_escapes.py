@@ -1,0 +1,83 @@
+"""Issue 19, finding 2: nothing a peer or a file controls reaches a terminal or a log line raw.
+
+A client's command line (pled reads it from /proc: here the client is root, as it is where pled runs
+without ProtectProc=, in containers, or for clients running as root or as user pled), a table's path, and
+a file's text quoted in an error are full of ESC, BEL, the C1 CSI U+009B and U+2028. `pled status`, pled's
+log and systemd's STATUS= must show them escaped.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from conftest import Daemon, run_pled, serve, stop
+from pled import client
+from pled.shared import protocol
+
+EVIL = ["\x1b]0;pwned\x07", "\x9b2J", "a\u2028b\u202e", "\x1b[2K\r\x1b[31mERROR table t1 DIFFERS from disk\x1b[0m"]
+
+
+def raw_control(text: str) -> list[str]:
+    """The characters of ``text`` a terminal or a log viewer would act on (line breaks between lines aside)."""
+    return sorted({repr(c) for c in text if not c.isprintable() and c != "\n"})
+
+
+def config(path, table_path, sock, **keys) -> None:
+    lines = [f"socket = {json.dumps(sock)}", "headroom_margin = 0"] + [f"{k} = {json.dumps(v)}" for k, v in keys.items()]
+    lines += ["[[table]]", 'name = "t1"', f"path = {json.dumps(str(table_path))}"]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_a_clients_command_line_and_a_tables_path_are_escaped_everywhere(tmp_path, sidecar):
+    d = sidecar(shards=2, rows=64).rename(tmp_path / "ples\x1b[2J\x07\u2028dir")
+    sock = str(tmp_path / "run" / "pled.sock")
+    cfg = tmp_path / "pled.toml"
+    config(cfg, d, sock)
+    pled = Daemon(cfg, sock)
+    holder = None
+    try:
+        pled.wait_for("ready:")
+        # the code comes from the environment, so that the title's first 120 characters are mostly EVIL
+        code = "import sys, pled.client as c; t = c.attach('t1'); print('attached', flush=True); sys.stdin.read()"
+        holder = subprocess.Popen([sys.executable, "-c", "exec(__import__('os').environ['C'])", *EVIL],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                  env={**os.environ, "C": code, "PLED_SOCKET": sock})
+        assert holder.stdout.readline().strip() == "attached"
+        st = client.call(protocol.STATUS, socket=sock)
+        (entry,) = st["clients"]
+        assert "\\x1b]0;pwned\\x07" in entry["command"] and "\\x9b2J" in entry["command"], entry["command"]
+        assert raw_control(entry["command"]) == []
+        shown = run_pled("status", "--socket", sock)
+        assert "\\x1b]0;pwned" in shown.stdout and raw_control(shown.stdout) == [], shown.stdout
+        # a reload over a config whose error quotes a key with escapes in it
+        cfg.write_text(cfg.read_text().replace("headroom_margin = 0", 'headroom_margin = 0\n"bad\\u001b[31mkey\\u2028" = 1'))
+        pled.proc.send_signal(signal.SIGHUP)
+        pled.wait_for("reload failed")
+    finally:
+        if holder is not None:
+            holder.stdin.close()
+            holder.wait(timeout=30)
+        pled.stop()
+    log = pled.log()
+    assert "\\x1b]0;pwned\\x07" in log and "bad\\x1b[31mkey\\u2028" in log
+    assert raw_control(log) == [], [line for line in log.splitlines() if raw_control(line)][:3]
+
+
+def test_status_to_systemd_cannot_be_split_into_other_fields(tmp_path, sidecar, notify_socket):
+    """A newline in a table's path would end STATUS= and start another sd_notify field."""
+    d = sidecar(shards=4, rows=40_000).rename(tmp_path / "x\nFDSTOREREMOVE=1\nFDNAME=pled.1.t1\x1b[2J")
+    cfg = tmp_path / "pled.toml"
+    config(cfg, d, str(tmp_path / "run" / "pled.sock"), staging_bandwidth="8MB/s")
+    proc = serve(cfg, {"NOTIFY_SOCKET": notify_socket.path}, log=tmp_path / "pled.log")
+    try:
+        notify_socket.wait_for("READY=1")
+        time.sleep(0.2)
+    finally:
+        assert stop(proc) == 0
+    lines = notify_socket.lines()
+    staging = [line for line in lines if line.startswith("STATUS=staging t1 from ")]
+    assert staging and all("x\\nFDSTOREREMOVE=1\\nFDNAME=pled.1.t1\\x1b[2J" in line for line in staging), staging
+    assert "FDSTOREREMOVE=1" not in lines and all(raw_control(line) == [] for line in lines)
+    assert raw_control((tmp_path / "pled.log").read_text()) == []
