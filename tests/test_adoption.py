@@ -23,7 +23,7 @@ def staged(sidecar):
 
 def sort(d, fds, caplog):
     caplog.set_level(logging.INFO, logger="pled.daemon.fdstore")
-    return fdstore.adopt_stored(fds, {"t": region.plan("t", open_table(str(d)))}, Notifier({}))
+    return fdstore.adopt_stored(fds, {"t": region.plan("t", open_table(str(d)))}, fdstore.FdStore(Notifier({}), {}))
 
 
 def test_the_same_files_are_adopted(staged, caplog):

@@ -6,6 +6,7 @@
     allow_uids = [1000]            # besides root, pled's own user and pled's own group
     allow_groups = ["vllm"]        # group names or gids
     staging_bandwidth = "500MB/s"  # optional: leave disk bandwidth to vLLM
+    fdstore_max = 64               # the unit's FileDescriptorStoreMax=, used where systemd < 254 does not pass it
 
     [[table]]
     name = "ples_int4"
@@ -60,6 +61,7 @@ class Config(BaseModel):
     staging_bandwidth: int | None = None  # bytes/s; None: as fast as the disk goes
     allow_uids: tuple[int, ...] = ()
     allow_groups: tuple[int | str, ...] = ()
+    fdstore_max: int = Field(default=64, ge=0, le=1 << 20)  # FileDescriptorStoreMax=, where systemd does not say
     tables: tuple[TableConfig, ...] = Field(default=(), alias="table")
     _source: str = PrivateAttr(default="<defaults>")
 

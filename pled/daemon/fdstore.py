@@ -1,4 +1,5 @@
-"""Tables that outlive pled: what to do with the memfds systemd hands back at start.
+"""Tables that outlive pled: systemd's fd store, how much of it pled may use, and what to do with the memfds
+systemd hands back at start.
 
 Each region pled stages is stored with systemd (FDSTORE=1, FDNAME=pled.<generation>.<table>).
 When pled starts again systemd passes them back (LISTEN_FDS). A stored region is adopted,
@@ -6,6 +7,13 @@ without copying a byte, only if its header reads, its seals are all there, and i
 is exactly what staging the table's files now would produce (same paths, sizes, mtimes,
 header fingerprints, offsets). Anything else is removed from the store (FDSTOREREMOVE=1)
 and closed, so the store never holds a table twice or a table nobody configured.
+
+The store holds at most FileDescriptorStoreMax= fds; systemd closes any past that, silently, so a table
+sent then would be copied again on the next start without a word. ``FdStore`` counts what pled has
+stored against that limit: from $FDSTORE where systemd passes it (254 and later), else the config's
+``fdstore_max`` (default: the shipped unit's 64), and says which it assumed. A table that no longer fits
+is served all the same and named in the log as one that a restart will copy again. A reload removes a
+table's old generation before storing its new one, so a full store still keeps the changed table.
 """
 from __future__ import annotations
 
@@ -17,8 +25,65 @@ from pled.shared import region
 from pled.shared.errors import RegionError
 from pled.daemon.notify import Notifier, StoredFd, fd_name, parse_fd_name
 from pled.shared.region import Manifest, Region
+from pled.shared.sizes import gib
 
 log = logging.getLogger(__name__)
+
+DEFAULT_MAX = 64  # units/pled.service: FileDescriptorStoreMax=64
+
+
+class FdStore:
+    """The entries pled keeps in systemd's fd store (by FDNAME), within the store's limit."""
+
+    def __init__(self, notifier: Notifier, env, configured: int = DEFAULT_MAX) -> None:
+        self.notifier = notifier
+        self.names: set[str] = set()
+        raw = env.get("FDSTORE", "")
+        if raw.isdigit():
+            self.limit, self.source = int(raw), "FDSTORE from systemd"
+        else:
+            self.limit = configured
+            self.source = "fdstore_max in the config; systemd before 254 does not pass FDSTORE"
+
+    @property
+    def enabled(self) -> bool:
+        return self.notifier.enabled and self.limit > 0
+
+    def announce(self, to_stage: list[str]) -> None:
+        """At start, after adoption: the limit assumed, and the tables that will not fit in what is left (in
+        staging order), which a restart will copy again."""
+        if not self.notifier.enabled:
+            return
+        log.info("systemd's fd store: up to %d table(s) (%s); %d adopted from it", self.limit, self.source, len(self.names))
+        left_out = to_stage[max(0, self.limit - len(self.names)):]
+        if left_out:
+            wanted = len(self.names) + len(to_stage)
+            log.warning("%d table(s) but systemd's fd store holds %d (%s): %s will not be stored, and a restart of pled "
+                        "copies them again; raise FileDescriptorStoreMax= (and fdstore_max) to at least %d",
+                        wanted, self.limit, self.source, ", ".join(left_out), wanted)
+
+    def adopted(self, name: str) -> None:
+        self.names.add(name)
+
+    def store(self, table: str, generation: int, region: Region) -> bool:
+        if not self.notifier.enabled:
+            return False
+        name = fd_name(table, generation)
+        if len(self.names) >= self.limit:
+            log.warning("table %s generation %d (%s) not handed to systemd's fd store: it holds %d of %d (%s); a restart "
+                        "of pled copies it again", table, generation, gib(region.manifest.region_bytes), len(self.names),
+                        self.limit, self.source)
+            return False
+        if not self.notifier.store_fd(region.fd, name):
+            return False
+        self.names.add(name)
+        log.info("table %s generation %d handed to systemd's fd store (%d of %d)", table, generation, len(self.names),
+                 self.limit)
+        return True
+
+    def remove(self, name: str) -> None:
+        self.notifier.remove_fd(name)
+        self.names.discard(name)
 
 
 @dataclass
@@ -46,14 +111,14 @@ def describe_change(old: Manifest, new: Manifest) -> str:
     return "its layout changed"
 
 
-def adopt_stored(stored: list[StoredFd], planned: dict[str, Manifest], notifier: Notifier) -> Adopted:
+def adopt_stored(stored: list[StoredFd], planned: dict[str, Manifest], store: FdStore) -> Adopted:
     """The regions systemd kept for us: those that match what staging the files now would give are adopted,
     every other one is removed from the store and closed."""
     out = Adopted()
 
     def drop(fd: StoredFd, why: str) -> None:
         log.info("removing %s from the fd store: %s", fd.name, why)
-        notifier.remove_fd(fd.name)
+        store.notifier.remove_fd(fd.name)
         os.close(fd.fd)
 
     for item in stored:
@@ -86,7 +151,10 @@ def adopt_stored(stored: list[StoredFd], planned: dict[str, Manifest], notifier:
             loser = StoredFd(previous.release(), fd_name(table, previous_gen)) if keep_new else item
             if keep_new:
                 out.adopted[table] = (Region(item.fd, manifest), generation)
+                store.names.discard(fd_name(table, previous_gen))
+                store.adopted(item.name)
             drop(loser, f"table {table} is stored twice; keeping generation {max(generation, previous_gen)}")
             continue
         out.adopted[table] = (Region(item.fd, manifest), generation)
+        store.adopted(item.name)
     return out

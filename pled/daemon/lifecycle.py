@@ -51,6 +51,7 @@ class Daemon:
         self.tables: dict[str, TableState] = {}
         self.server: Server | None = None
         self.notifier = notify.Notifier(self.env)
+        self.fdstore = fdstore.FdStore(self.notifier, self.env, config.fdstore_max)
         self.stopping = threading.Event()
         self.stager = Stager(self.stopping)
         self.handlers = Handlers(self)
@@ -130,7 +131,7 @@ class Daemon:
                 os.close(item.fd)
             raise
         planned = planning.plan_tables(sidecars)
-        sorted_fds = fdstore.adopt_stored(stored, planned, self.notifier)
+        sorted_fds = fdstore.adopt_stored(stored, planned, self.fdstore)
         for name, sidecar in sidecars.items():
             t = TableState(name, sidecar, planned[name], generation=sorted_fds.generations.get(name, 1))
             if name in sorted_fds.adopted:
@@ -141,6 +142,7 @@ class Daemon:
                          name, t.generation, gib(t.manifest.region_bytes))
             self.tables[name] = t
         to_stage = {n: t.manifest for n, t in self.tables.items() if t.state != "ready"}
+        self.fdstore.announce(list(to_stage))
         if not to_stage:
             return
         verdict = planning.run_preflight(self.config, to_stage, self.proc_root)
@@ -200,8 +202,7 @@ class Daemon:
     def _first_staging_event(self, kind: str, t: TableState, payload) -> None:
         if kind == "ready":
             t.staged(payload)
-            if self.notifier.store_fd(payload.fd, notify.fd_name(t.name, t.generation)):
-                log.info("table %s generation %d handed to systemd's fd store", t.name, t.generation)
+            self.fdstore.store(t.name, t.generation, payload)
             self.handlers.table_ready(t)
             if all(x.state == "ready" for x in self.tables.values()):
                 self._on_all_ready()

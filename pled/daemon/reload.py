@@ -119,14 +119,14 @@ class Reloader:
         d, r = self.d, self.current
         self.current = None
         summary = r.summary(d.tables)
+        for name in r.removed:  # first, so that their fd-store slots are free for the new generations
+            self._release(d.tables.pop(name), "removed from the config: no longer offered")
         for name, new in r.tables.items():
             old = d.tables.get(name)
             d.tables[name] = new
-            d.notifier.store_fd(new.region.fd, notify.fd_name(name, new.generation))
             if old is not None:
                 self._release(old, f"generation {new.generation} now served")
-        for name in r.removed:
-            self._release(d.tables.pop(name), "removed from the config: no longer offered")
+            d.fdstore.store(name, new.generation, new.region)
         config = r.config
         if config.socket != d.config.socket:
             log.warning("the socket moved to %s in the config; pled keeps serving on %s until it restarts",
@@ -143,7 +143,7 @@ class Reloader:
 
     def _release(self, old: TableState, why: str) -> None:
         holders = self.d.handlers.holders(old.name, old.generation)
-        self.d.notifier.remove_fd(notify.fd_name(old.name, old.generation))
+        self.d.fdstore.remove(notify.fd_name(old.name, old.generation))
         old.region.close()
         log.info("table %s generation %d released (%s); %d client(s) still map it, and its memory is freed when the "
                  "last of them unmaps", old.name, old.generation, why, holders)
