@@ -7,10 +7,16 @@ cause a refusal), and inside a limited memory cgroup the least headroom of any
 level above us (the limit less what is charged and not reclaimable file cache).
 If none of that can be read the check is skipped and says "headroom unknown":
 a preflight must never stop a boot for lack of data.
+
+A region is a file: its memfd's ftruncate and writes obey RLIMIT_FSIZE (systemd's
+LimitFSIZE=, a shell's ulimit -f), and a limit below the largest region would fail
+staging with EFBIG ("File too large"; Python ignores SIGXFSZ) after the socket is up, and
+exit 1 into a restart loop. So the soft limit is checked here too, and refused.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import resource
+from dataclasses import dataclass, replace
 
 from pled.daemon import hostmem
 from pled.shared.errors import PreflightRefused
@@ -28,6 +34,7 @@ class Verdict:
     tables: dict[str, int]
     message: str
     problems: tuple[str, ...] = ()  # files that could not be read
+    file_size_limit: int | None = None  # soft RLIMIT_FSIZE in bytes; None: unlimited
 
     def as_dict(self) -> dict:
         binding = self.cgroup.binding if self.cgroup else None
@@ -44,11 +51,32 @@ class Verdict:
             "tables": self.tables,
             "message": self.message,
             "problems": list(self.problems),
+            "file_size_limit_bytes": self.file_size_limit,
         }
 
     def raise_if_refused(self) -> None:
         if not self.ok:
+            if self.file_size_limit is not None and max(self.tables.values(), default=0) > self.file_size_limit:
+                raise PreflightRefused(self.message, max(self.tables.values()), self.file_size_limit)
             raise PreflightRefused(self.message, self.needed + self.margin, self.available or 0)
+
+
+def file_size_limit() -> int | None:
+    """This process's soft RLIMIT_FSIZE in bytes, None when unlimited."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def _fsize_refusal(tables: dict[str, int], limit: int | None) -> str | None:
+    """Why the largest region cannot be written under ``limit``, or None when it can."""
+    if limit is None or not tables:
+        return None
+    name, largest = max(tables.items(), key=lambda item: item[1])
+    if largest <= limit:
+        return None
+    return (f"pled needs to write a region of {gib(largest)} ({largest} bytes) for table {name} but this process's "
+            f"file size limit (RLIMIT_FSIZE) is {gib(limit)} ({limit} bytes); raise LimitFSIZE= in the unit, "
+            f"or ulimit -f in the shell that starts pled")
 
 
 def _what(tables: dict[str, int]) -> str:
@@ -58,8 +86,23 @@ def _what(tables: dict[str, int]) -> str:
     return "tables " + ", ".join(f"{n} ({gib(b)})" for n, b in tables.items())
 
 
-def check(tables: dict[str, int], margin: int, root: str = "/") -> Verdict:
-    """Compare the bytes these tables need with what this process can have."""
+_READ = object()
+
+
+def check(tables: dict[str, int], margin: int, root: str = "/", fsize_limit: int | None | object = _READ) -> Verdict:
+    """Compare the bytes these tables need with what this process can have (memory, and the file size limit:
+    ``fsize_limit`` in bytes, None for unlimited, read from this process by default)."""
+    limit = file_size_limit() if fsize_limit is _READ else fsize_limit
+    verdict = _check_memory(tables, margin, root)
+    refusal = _fsize_refusal(tables, limit)
+    if refusal is not None:
+        also = "" if verdict.ok else f"; and {verdict.message}"
+        return replace(verdict, ok=False, message=refusal + also, file_size_limit=limit)
+    return replace(verdict, file_size_limit=limit)
+
+
+def _check_memory(tables: dict[str, int], margin: int, root: str) -> Verdict:
+    """Compare the bytes these tables need with the memory this process can have."""
     problems: list[str] = []
     meminfo = cgroup = None
     try:
