@@ -113,3 +113,19 @@ def test_a_section_registered_by_another_benchmark_is_rendered_and_one_without_r
         assert "measured 6.54 units" in report.render(res)
     finally:
         report.SECTIONS.remove(extra)
+
+
+def test_the_soak_reports_breaches_and_byte_mismatches_and_fails_on_them():
+    """bench/soak.py's stuck-reply attacker and byte checks; a result stored before them still renders."""
+    res = sample()
+    assert "Stuck replies over a reload" not in report.render(res)  # the sample predates them
+    res["soak"]["good"]["mismatches"] = 3
+    res["soak"]["stuck"] = {"replies_that_fit": 278, "tuned_to": 279, "attach_replies_stuck": 17, "fds_checked": 21,
+                            "breaches": 13, "breach_examples": ["socket:[44884]: mode 140777, seals 0x0"]}
+    text = report.render(res)
+    assert "278 Ping replies fit in pled's socket buffer (tuned to 279); 17 Attach replies" in text
+    assert "13 of the 21 fds received were not its sealed memfd (socket:[44884]: mode 140777, seals 0x0)" in text
+    assert "- NOT met: soak: 13 of 21 fds sent over stuck Attach replies not the table's sealed memfd" in text
+    assert "refused, 3 byte mismatches with the source files (target 0)" in text
+    res["soak"]["good"]["mismatches"] = res["soak"]["stuck"]["breaches"] = 0
+    assert "NOT met: soak" not in report.render(res)
