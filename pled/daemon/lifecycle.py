@@ -6,10 +6,23 @@
     serve:  the loop (loop.py) over the signal pipe, the stager's event pipe and the clients; the calls
             are answered by handlers.py, a reload runs through reload.py; each tick feeds systemd
             (STATUS=, EXTEND_TIMEOUT_USEC= while staging makes progress, WATCHDOG=1) and checks residency
-    stop:   on SIGTERM or SIGINT, or when the first staging fails: stop the stager, close the clients,
-            release the tables (systemd's fd store keeps them for the next start)
+    stop:   on SIGTERM, SIGINT or SIGQUIT, or when the first staging fails: close the listener (a client
+            connecting now is refused, not kept waiting), close the clients, wait a few seconds at most for
+            the worker threads (a read of a hung file system never returns: that staging is abandoned, named
+            in the log, and the process's exit frees its memfd), release the tables (systemd's fd store keeps
+            them for the next start)
 
-Signals are dispatched by name, as gunicorn's arbiter does: SIGHUP -> ``handle_hup``.
+Signals: the handlers only record the signal; the loop dispatches it by name, as gunicorn's arbiter does
+(SIGHUP -> ``handle_hup``). Every asynchronous signal that would otherwise end pled without a word:
+
+    SIGTERM, SIGINT, SIGQUIT   stop as above, exit 0 ("SIGQUIT: stopping"); no core dump for SIGQUIT
+    SIGHUP                     reload the config (reload.py), as `pled reload` does
+    SIGUSR1                    log one status line: what is served or staged, how many clients
+    SIGUSR2, SIGALRM           logged and ignored ("SIGUSR2: ignored (pled gives it no meaning)")
+    SIGPIPE                    ignored by Python itself: a write to a peer that left is EPIPE, that connection's end
+
+The synchronous fault signals (SIGBUS, SIGSEGV, SIGFPE, SIGILL) and job control (SIGTSTP, SIGCONT, ...)
+keep their default actions.
 """
 from __future__ import annotations
 
@@ -38,7 +51,7 @@ log = logging.getLogger(__name__)
 EXTEND_BY = 30.0  # seconds of TimeoutStartSec granted each time staging shows progress
 EXTEND_EVERY = 5.0
 RESIDENCY_EVERY = 60.0
-SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
+SIGNALS = ("SIGTERM", "SIGINT", "SIGQUIT", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGALRM")
 
 
 
@@ -107,12 +120,12 @@ class Daemon:
 
     def _shut_down(self) -> None:
         self.stopping.set()
-        self.stager.join()
+        if self.server is not None:  # first: no client waits on a daemon that is going
+            self.server.close()
+        self.stager.join()  # bounded: a staging stuck in a read is abandoned, and named
         self._drain_events()
         if self.reloader.current is not None:
             self.reloader.fail("pled is stopping")
-        if self.server is not None:
-            self.server.close()
         held = self.regions
         if held:
             stored = " (systemd's fd store keeps them for the next start)" if self.notifier.enabled else ""
@@ -174,10 +187,26 @@ class Daemon:
     def handle_int(self) -> None:
         self._stop("SIGINT")
 
+    def handle_quit(self) -> None:
+        self._stop("SIGQUIT")
+
     def _stop(self, signal_name: str) -> None:
         log.info("%s: stopping", signal_name)
+        if self.server is not None:
+            self.server.stop_listening()  # new clients are refused at once; the loop ends after this turn
         self.notifier.stopping()
         self.stopping.set()
+
+    def handle_usr1(self) -> None:
+        line = self.serving_line() if self.ready else self._status_sent or "starting"
+        busy = "; a reload is under way" if self.reloader.current is not None else ""
+        log.info("SIGUSR1: status: %s%s (pid %d, up %.0f s)", line, busy, os.getpid(), time.monotonic() - self.started)
+
+    def handle_usr2(self) -> None:
+        log.info("SIGUSR2: ignored (pled gives it no meaning)")
+
+    def handle_alrm(self) -> None:
+        log.info("SIGALRM: ignored (pled gives it no meaning)")
 
     def handle_hup(self) -> None:
         log.info("SIGHUP: reloading %s", self.config.source)

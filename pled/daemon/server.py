@@ -69,8 +69,7 @@ class Server:
             self._sel = None
 
     def stop_listening(self) -> None:
-        """pled is stopping: leave the selector and close the listener now, so that a client connecting
-        meanwhile is refused (ECONNREFUSED) instead of waiting for an answer; close() does the rest."""
+        """pled is stopping: from now on a client is refused (ECONNREFUSED), not kept waiting; close() does the rest."""
         self.unregister()
         self.listener.close()
 

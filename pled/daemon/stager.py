@@ -12,6 +12,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from typing import Callable, Iterator
 
 from pled.daemon import staging
@@ -21,7 +22,7 @@ from pled.shared.sizes import gib, rate
 
 log = logging.getLogger(__name__)
 
-JOB_JOIN_SECONDS = 5.0  # at stop, how long to wait for a reload's planning (it cannot be interrupted)
+JOIN_SECONDS = 3.0  # at stop, how long to wait for the worker threads, all together (a read can hang for ever)
 
 
 class Stager:
@@ -33,6 +34,7 @@ class Stager:
         self._jobs: list[threading.Thread] = []
         self._lock = threading.Lock()  # a job that outlives stop() must not write to a closed (reused) fd
         self._closed = False
+        self._reading: dict[threading.Thread, tuple] = {}  # staging thread -> (table, when its current shard began)
 
     # -- posting (worker threads) ------------------------------------------------------------
 
@@ -56,17 +58,26 @@ class Stager:
         self._staging = [w for w in self._staging if w.is_alive()] + [worker]
         worker.start()
 
-    def _stage_list(self, states: list, huge_pages: str, sys_root: str, bandwidth: int | None) -> None:
+    def _stage_list(self, *args) -> None:
+        try:
+            self._stage_tables(*args)
+        finally:
+            self._reading.pop(threading.current_thread(), None)
+
+    def _stage_tables(self, states: list, huge_pages: str, sys_root: str, bandwidth: int | None) -> None:
         """One table after another; each result goes to the loop as an event."""
         for t in states:
             if self._stop.is_set():
                 break
             t.state = "staging"
             n = len(t.manifest.shards)
+            me = threading.current_thread()
+            self._reading[me] = (t, time.monotonic())
 
             def on_shard(shard, offset, seconds, t=t, n=n):
                 t.shards_done += 1
                 t.bytes_done += shard.size
+                self._reading[me] = (t, time.monotonic())
                 log.info("table %s: shard %d/%d %s %s in %.0f ms (%s)", t.name, shard.index + 1, n, shard.name,
                          gib(shard.size), seconds * 1000, rate(shard.size, seconds))
 
@@ -114,14 +125,28 @@ class Stager:
             except queue.Empty:
                 return
 
-    def join(self) -> None:
-        """At stop: staging threads see the stop flag between chunks; planning gets a few seconds."""
+    def join(self, timeout: float = JOIN_SECONDS) -> None:
+        """At stop: staging threads see the stop flag between chunks, planning cannot be interrupted; both get
+        ``timeout`` seconds in all. A thread still in a read after that (a file system that hangs) is left: it
+        is a daemon thread, the memfd it fills is its own, and the process's exit frees it."""
+        deadline = time.monotonic() + timeout
+        for worker in self._staging + self._jobs:
+            worker.join(max(0.0, deadline - time.monotonic()))
         for worker in self._staging:
-            worker.join()
-        for worker in self._jobs:
-            worker.join(JOB_JOIN_SECONDS)
             if worker.is_alive():
-                log.warning("a reload's planning is still reading files; stopping without waiting for it")
+                log.warning("%s", self._abandoned(worker))
+        if any(worker.is_alive() for worker in self._jobs):
+            log.warning("a reload's planning is still reading files; stopping without waiting for it")
+
+    def _abandoned(self, worker: threading.Thread) -> str:
+        t, since = self._reading.get(worker, (None, time.monotonic()))
+        if t is None:
+            return "stopping without waiting for a staging thread that has not begun its first table"
+        n = len(t.manifest.shards)
+        where = (f"reading shard {t.shards_done + 1}/{n} ({os.path.basename(t.manifest.shards[t.shards_done].path)})"
+                 if t.shards_done < n else "checking the digests of its shards")
+        return (f"stopping without waiting for table {t.name}'s staging: it has been {where} for "
+                f"{time.monotonic() - since:.0f} s; its partial copy is discarded")
 
     def close(self) -> None:
         with self._lock:

@@ -1,10 +1,17 @@
-"""The tables pled holds: each one's state and generation, and how they are reported (Status, STATUS=)."""
+"""The tables pled holds: each one's state and generation, and how they are reported (Status, STATUS=).
+
+Status says whether each table's source files are still as staged (``sources``). That is a stat of every
+shard, and a file system can hang (an NFS or FUSE mount that stops answering): the stats run in a worker
+thread (SourceCheck), one check at a time per table, and the loop waits for one at most SOURCES_WAIT; past
+that, Status shows the last answer with its age and how long the check has been waiting.
+"""
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pled import __version__
 from pled.shared import protocol, region
@@ -17,6 +24,69 @@ from pled.shared.sizes import gib
 
 log = logging.getLogger(__name__)
 
+SOURCES_WAIT = 0.25  # seconds the loop waits for a check of the sources it started, before Status answers without it
+
+
+def check_sources(shards) -> str:
+    """Whether the files a generation was staged from are still there as they were (a worker thread's job)."""
+    missing, changed, unreadable = [], [], []
+    for s in shards:
+        name = clip(os.path.basename(s.path), 80)
+        try:
+            st = os.stat(s.path)
+        except FileNotFoundError:
+            missing.append(name)
+            continue
+        except (OSError, ValueError) as err:  # a directory turned into a file, a symlink loop, ...
+            unreadable.append(f"{name} ({getattr(err, 'strerror', None) or err})")
+            continue
+        if (st.st_size, st.st_mtime_ns) != (s.size, s.mtime_ns):
+            changed.append(name)
+    parts = [f"{what}: {', '.join(names)}" for what, names in
+             (("missing", missing), ("changed", changed), ("unreadable", unreadable)) if names]
+    return "; ".join(parts) or "unchanged"
+
+
+class SourceCheck:
+    """check_sources in a thread of its own, at most one at a time: a hung file system holds one thread per
+    table, whatever the number of Status calls, and never the loop."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: tuple[threading.Event, float] | None = None  # (set when done, started)
+        self._answer: tuple[str, float] | None = None  # the last answer and when it was found
+
+    def start(self, shards) -> tuple[threading.Event, float]:
+        """Check now, unless a check is under way: (an event set when that check is done, when it started)."""
+        with self._lock:
+            if self._running is None:
+                self._running = (threading.Event(), time.monotonic())
+                threading.Thread(target=self._run, args=(tuple(shards), self._running[0]), name="pled-sources",
+                                 daemon=True).start()
+            return self._running
+
+    def _run(self, shards, done: threading.Event) -> None:
+        try:
+            answer = check_sources(shards)
+        except Exception as err:  # a bug: Status says so rather than waiting for ever
+            answer = f"not checked: {type(err).__name__}: {clip(err)}"
+        with self._lock:
+            self._answer, self._running = (answer, time.monotonic()), None
+        done.set()
+
+    def result(self, shards) -> str:
+        """A fresh answer if one comes within SOURCES_WAIT of its check's start, else the last one and its age."""
+        done, started = self.start(shards)
+        done.wait(max(0.0, started + SOURCES_WAIT - time.monotonic()))
+        with self._lock:
+            answer, running = self._answer, self._running
+        now = time.monotonic()
+        if answer is not None and (running is None or answer[1] >= started):
+            return answer[0]
+        waiting = f"the check has been waiting {now - running[1]:.0f} s for the file system"
+        if answer is None:
+            return f"not checked: {waiting}"
+        return f"{answer[0]} (checked {now - answer[1]:.0f} s ago; {waiting})"
 
 
 @dataclass(eq=False)
@@ -32,6 +102,7 @@ class TableState:
     region: Region | None = None
     error: str = ""
     resident_share: float | None = None  # at the last check
+    source_check: SourceCheck = field(default_factory=SourceCheck, repr=False)
 
     def progress(self) -> dict:
         return {
@@ -50,23 +121,9 @@ class TableState:
         log.info("%s", staging.describe_ready(r))
 
     def sources(self) -> str:
-        """Whether the files this generation was staged from are still there as they were."""
-        missing, changed, unreadable = [], [], []
-        for s in self.manifest.shards:
-            name = clip(os.path.basename(s.path), 80)
-            try:
-                st = os.stat(s.path)
-            except FileNotFoundError:
-                missing.append(name)
-                continue
-            except (OSError, ValueError) as err:  # a directory turned into a file, a symlink loop, ...
-                unreadable.append(f"{name} ({getattr(err, 'strerror', None) or err})")
-                continue
-            if (st.st_size, st.st_mtime_ns) != (s.size, s.mtime_ns):
-                changed.append(name)
-        parts = [f"{what}: {', '.join(names)}" for what, names in
-                 (("missing", missing), ("changed", changed), ("unreadable", unreadable)) if names]
-        return "; ".join(parts) or "unchanged"
+        """Whether the files this generation was staged from are still there as they were: from a worker
+        thread, waited for at most SOURCES_WAIT (the loop never stats a source file itself)."""
+        return self.source_check.result(self.manifest.shards)
 
     def describe(self) -> dict:
         out = {
@@ -113,6 +170,8 @@ def serving_line(tables: list[TableState], clients: int) -> str:
 
 def status_reply(*, started: float, socket: str, tables: list[TableState], connections, reload: dict | None) -> dict:
     """The io.pled.Status reply."""
+    for t in tables:  # every table's check under way at once: one SOURCES_WAIT at most for all of them
+        t.source_check.start(t.manifest.shards)
     clients = [
         {"pid": c.peer.pid, "uid": c.peer.uid, "command": c.peer.command, "tables": sorted(c.attached),
          "generations": dict(c.attached), "connected_seconds": round(time.monotonic() - c.since, 1)}

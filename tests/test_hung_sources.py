@@ -1,0 +1,164 @@
+"""A sidecar on a file system that stops answering (an NFS or FUSE mount whose server hangs), against a real
+`pled serve`: Status, Attach and SIGTERM go on working while it hangs, after staging (the Status check of the
+sources runs in a worker, one at a time) and during staging (SIGTERM closes the listener first and waits a
+few seconds at most for the staging thread, then names the table it abandons)."""
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import Daemon, write_config
+from pled import client
+from pled.shared import protocol
+
+
+@pytest.fixture
+def blockfs(tmp_path):
+    """mount(source) -> (mountpoint, flag): a FUSE pass-through of ``source`` whose getattr, open and read hang
+    while ``flag`` exists; each call that hangs adds a line to ``flag``.calls."""
+    try:
+        import mfusepy  # noqa: F401
+    except (ImportError, OSError) as err:
+        pytest.skip(f"FUSE bindings unavailable ({err}); .ci/run installs libfuse3")
+    if not os.path.exists("/dev/fuse") or os.geteuid() != 0:
+        pytest.skip("needs /dev/fuse and root")
+    mounts = []
+
+    def mount(source: Path) -> tuple[Path, Path]:
+        point, flag = tmp_path / f"fuse{len(mounts)}", tmp_path / f"block{len(mounts)}"
+        point.mkdir()
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "blockfs.py"), str(source), str(point),
+                                 str(flag)], stderr=subprocess.PIPE, text=True)
+        mounts.append((point, flag, proc))
+        deadline = time.monotonic() + 20
+        while not os.path.ismount(point):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.skip(f"could not mount FUSE here: {proc.stderr.read() if proc.poll() is not None else 'timeout'}")
+            time.sleep(0.05)
+        return point, flag
+
+    yield mount
+    for point, flag, proc in mounts:
+        flag.unlink(missing_ok=True)  # first: whatever waits in the file system goes on
+        if subprocess.run(["fusermount3", "-u", str(point)], capture_output=True).returncode != 0:
+            subprocess.run(["fusermount3", "-u", "-z", str(point)], capture_output=True)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def blocked_calls(flag: Path, at_least: int = 1, timeout: float = 5) -> list[str]:
+    """The calls the file system holds, once there are ``at_least`` of them."""
+    calls = Path(f"{flag}.calls")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = calls.read_text().splitlines() if calls.exists() else []
+        if len(lines) >= at_least:
+            return lines
+        time.sleep(0.02)
+    raise AssertionError(f"no call reached the file system within {timeout} s")
+
+
+def timed(fn, *args, **kw):
+    start = time.monotonic()
+    result = fn(*args, **kw)
+    return result, time.monotonic() - start
+
+
+def stop_within(pled: Daemon, seconds: float) -> tuple[int, float]:
+    start = time.monotonic()
+    pled.proc.send_signal(signal.SIGTERM)
+    try:
+        rc = pled.proc.wait(timeout=seconds + 5)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"pled did not exit within {seconds + 5} s of SIGTERM:\n{pled.log()}") from None
+    return rc, time.monotonic() - start
+
+
+def test_status_attach_and_sigterm_answer_while_the_sidecars_file_system_hangs(tmp_path, sidecar, blockfs):
+    d = sidecar("ples_int4", shards=3, rows=2000)
+    point, flag = blockfs(d)
+    pled = Daemon(write_config(tmp_path / "pled.toml", {"t": point}, headroom_margin=0), str(tmp_path / "run/pled.sock"))
+    try:
+        pled.wait_for("ready:")
+        st = client.call(protocol.STATUS, socket=pled.socket, timeout=5)
+        assert st["tables"][0]["sources"] == "unchanged"
+        flag.touch()  # the file system hangs from now on
+        st, took = timed(client.call, protocol.STATUS, socket=pled.socket, timeout=3)
+        assert took < 1, f"Status took {took:.2f} s"
+        assert blocked_calls(flag)[0].startswith("getattr /shard_")  # the check this Status began is held there
+        sources = st["tables"][0]["sources"]
+        assert sources.startswith("unchanged (checked ") and "waiting 0 s for the file system" in sources, sources
+        time.sleep(1.2)
+        for _ in range(5):
+            st, took = timed(client.call, protocol.STATUS, socket=pled.socket, timeout=3)
+            assert took < 1, f"Status took {took:.2f} s"
+        waited = re.search(r"the check has been waiting (\d+) s for the file system", st["tables"][0]["sources"])
+        assert waited and int(waited[1]) >= 1, st["tables"][0]
+        for _ in range(10):
+            start = time.monotonic()
+            with client.attach("t", socket=pled.socket, timeout=3) as t:
+                assert t.generation == 1
+            assert time.monotonic() - start < 1
+        assert len(blocked_calls(flag)) == 1  # one check in flight, however many Status calls: no pile of threads
+        rc, took = stop_within(pled, 1.5)
+        assert rc == 0 and took < 1.5, (rc, took)
+        log = pled.log()
+        assert "SIGTERM: stopping" in log and "stopped: released 1 table(s)" in log
+    finally:
+        flag.unlink(missing_ok=True)
+        pled.stop()
+
+
+def test_sigterm_while_a_staging_read_hangs_refuses_clients_and_names_the_table(tmp_path, sidecar, blockfs):
+    d = sidecar("ples_int4", shards=4, rows=80_000)  # 4 shards of 8 MB, staged at 16 MB/s
+    point, flag = blockfs(d)
+    cfg = write_config(tmp_path / "pled.toml", {"t": point}, headroom_margin=0, staging_bandwidth="16MB/s")
+    pled = Daemon(cfg, str(tmp_path / "run/pled.sock"))
+    try:
+        pled.wait_for("shard 1/4")
+        flag.touch()
+        assert any(c.startswith(("read /shard_", "open /shard_", "getattr /shard_")) for c in blocked_calls(flag))
+        st, took = timed(client.call, protocol.STATUS, socket=pled.socket, timeout=3)
+        assert took < 1 and st["tables"][0]["state"] == "staging", (took, st)
+        waiting = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # a client connected before the stop
+        waiting.settimeout(2)
+        waiting.connect(pled.socket)
+        start = time.monotonic()
+        pled.proc.send_signal(signal.SIGTERM)
+        refused = None
+        while refused is None and time.monotonic() - start < 1:
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            probe.settimeout(1)
+            try:
+                probe.connect(pled.socket)
+            except (ConnectionRefusedError, FileNotFoundError) as err:
+                refused = err
+            finally:
+                probe.close()
+            time.sleep(0.02)
+        assert refused is not None, "pled still accepts connections a second after SIGTERM"
+        assert waiting.recv(1) == b""  # its connection is closed at once, not held through the wait
+        waiting.close()
+        try:
+            rc = pled.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"pled did not exit within 10 s of SIGTERM:\n{pled.log()}") from None
+        took = time.monotonic() - start
+        assert rc == 0 and took < 6, (rc, took)
+        log = pled.log()
+        assert "SIGTERM: stopping" in log
+        assert re.search(r"stopping without waiting for table t's staging: it has been reading shard (\d)/4 "
+                         r"\(shard_(\d)\.safetensors\) for \d+ s; its partial copy is discarded", log), log
+        assert not Path(pled.socket).exists()
+    finally:
+        flag.unlink(missing_ok=True)
+        pled.stop()
