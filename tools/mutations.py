@@ -99,6 +99,19 @@ MUTATIONS = [
     Mutation("warm-up goes on after its gathers have settled", "pled/client/gather.py",
              "        while len(times) < max_gathers and not settled(times):\n", "        while len(times) < max_gathers:\n",
              ("tests/test_gather_scratch.py::test_warm_stops_where_the_gathers_settle",)),
+    Mutation("an attach recorded when its reply is queued, not once the kernel took the fd", "pled/daemon/session.py",
+             "        return cls(data, fds, reply.on_sent)\n",
+             "        reply.on_sent and reply.on_sent()\n        return cls(data, fds, None)\n",
+             ("tests/test_fd_ownership.py::test_an_attach_reply_never_read_is_not_logged_as_attached",)),
+    Mutation("nothing escaped before a log line, STATUS= or pled status", "pled/shared/boundary.py",
+             "    if s.isprintable():\n        return s\n", "    if True:\n        return s\n",
+             ("tests/test_escapes.py",)),
+    Mutation("the fd store's limit ignored", "pled/daemon/fdstore.py",
+             "        if len(self.names) >= self.limit:\n", "        if False:\n",
+             ("tests/test_fdstore_limit.py::test_fdstore_from_systemd_is_the_limit",)),
+    Mutation("the file-size limit not checked by the preflight", "pled/daemon/preflight.py",
+             "    if largest <= limit:\n", "    if True:\n",
+             ("tests/test_fsize.py",)),
 ]
 
 
