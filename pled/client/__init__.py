@@ -19,7 +19,7 @@ _HOME = {
     "attach": "library",
     **dict.fromkeys(("call", "socket_path", "Connection", "DEFAULT_SOCKET", "ENV_SOCKET", "ClientError",
                      "DaemonUnavailable", "PermissionDenied", "NoSuchTable", "NotReady", "ReloadFailed",
-                     "ProtocolError"), "connection"),
+                     "ProtocolError", "BadRegion"), "connection"),
     **dict.fromkeys(("Table", "TensorViews"), "mapped_table"),
 }
 __all__ = list(_HOME)

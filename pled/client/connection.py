@@ -5,11 +5,12 @@ See docs/protocol.md. This module never imports the daemon's code, nor torch.
 """
 from __future__ import annotations
 
-import json
 import os
 import socket as socket_mod
+import time
 
 from pled.shared import protocol
+from pled.shared.boundary import BoundaryError, clip, load_json
 from pled.shared.errors import PledError
 
 DEFAULT_SOCKET = protocol.DEFAULT_SOCKET
@@ -49,17 +50,26 @@ class ProtocolError(ClientError):
     """The daemon answered something this client does not understand."""
 
 
+class BadRegion(ProtocolError):
+    """The fd sent for a table is not a sealed pled region, or its header or manifest is wrong: nothing was mapped."""
+
+
 def socket_path(path: str | None = None) -> str:
     return path or os.environ.get(ENV_SOCKET) or DEFAULT_SOCKET
 
 
 class Connection:
-    """One blocking connection to the daemon. A Table keeps its own open while attached."""
+    """One blocking connection to the daemon. A Table keeps its own open while attached.
+
+    ``timeout`` bounds a whole call, every send and receive of it together, however the reply trickles in; the
+    first call's time runs from the connect, so that attach() and call() end within ``timeout`` of their start."""
 
     _sock = None
 
     def __init__(self, path: str | None = None, timeout: float = 10.0) -> None:
         self.path = socket_path(path)
+        self.timeout = timeout
+        self._deadline: float | None = time.monotonic() + timeout  # the first call's, counted from the connect
         sock = socket_mod.socket(socket_mod.AF_UNIX, socket_mod.SOCK_STREAM | socket_mod.SOCK_CLOEXEC)
         sock.settimeout(timeout)
         try:
@@ -79,46 +89,60 @@ class Connection:
         self._buf = bytearray()
 
     def call(self, method: str, **parameters) -> tuple[dict, list[int]]:
-        """Send one call; return the reply's parameters and the fds that came with it (the caller owns them)."""
+        """Send one call; return the reply's parameters and the fds that came with it (the caller owns them).
+        The reply is parsed within the bounds of any untrusted JSON (pled.shared.boundary); whatever is wrong with
+        it is a ClientError, and every fd that came with it is closed then."""
+        deadline, self._deadline = self._deadline, None
+        if deadline is None:  # a later call on a connection held open: its own timeout from now
+            deadline = time.monotonic() + self.timeout
         try:
+            self._sock.settimeout(_left(deadline))
             self._sock.sendall(protocol.call(method, **parameters))
-            raw, fds = self._receive()
+            raw, fds = self._receive(deadline)
         except (TimeoutError, socket_mod.timeout) as err:
-            raise DaemonUnavailable(f"pled at {self.path} did not answer {method} in time; {_HINT}") from err
-        except (ConnectionResetError, BrokenPipeError) as err:
-            raise DaemonUnavailable(f"pled at {self.path} closed the connection during {method}; {_HINT}") from err
+            raise DaemonUnavailable(f"pled at {self.path} did not answer {method} within {self.timeout:g} s; "
+                                    f"{_HINT}") from err
+        except OSError as err:  # reset, broken pipe, or anything else the socket says
+            raise DaemonUnavailable(f"pled at {self.path} closed the connection during {method} "
+                                    f"({err.strerror or err}); {_HINT}") from err
         try:
-            message = json.loads(raw)
+            message = load_json(raw, max_bytes=protocol.MAX_REPLY)
             if not isinstance(message, dict):
-                raise ValueError("reply is not an object")
-            if "error" in message:
-                close_all(fds)
-                raise _error(message["error"], message.get("parameters") or {}, self.path)
-            return message.get("parameters") or {}, fds
-        except (ValueError, UnicodeDecodeError) as err:
+                raise BoundaryError(f"is {type(message).__name__}, not an object")
+            error, params = message.get("error"), message.get("parameters")
+            params = {} if params is None else params
+            if not isinstance(params, dict) or not isinstance(error, (str, type(None))):
+                raise BoundaryError('has "parameters" that are not an object or an "error" that is not a string')
+        except BoundaryError as err:
             close_all(fds)
-            raise ProtocolError(f"pled at {self.path} sent a reply that is not valid JSON ({err})") from err
+            raise ProtocolError(f"pled at {self.path} sent a reply to {method} that {err}") from err
+        if error is not None:
+            close_all(fds)
+            raise _error(error, params, self.path)
+        return params, fds
 
-    def _receive(self) -> tuple[bytes, list[int]]:
+    def _receive(self, deadline: float) -> tuple[bytes, list[int]]:
         fds: list[int] = []
-        while True:
-            end = self._buf.find(b"\0")
-            if end >= 0:
-                raw = bytes(self._buf[:end])
-                del self._buf[: end + 1]
-                return raw, fds
-            if len(self._buf) > protocol.MAX_REPLY:
-                close_all(fds)
-                raise ProtocolError(f"reply from {self.path} exceeds {protocol.MAX_REPLY} bytes")
-            data, new_fds, flags, _ = socket_mod.recv_fds(self._sock, 1 << 20, 4)
-            fds += new_fds
-            if flags & socket_mod.MSG_CTRUNC:  # the kernel dropped fds it could not deliver
-                close_all(fds)
-                raise ProtocolError(f"file descriptors from {self.path} were truncated (MSG_CTRUNC)")
-            if not data:
-                close_all(fds)
-                raise DaemonUnavailable(f"pled at {self.path} closed the connection; {_HINT}")
-            self._buf += data
+        try:
+            while True:
+                end = self._buf.find(b"\0")
+                if end >= 0:
+                    raw = bytes(self._buf[:end])
+                    del self._buf[: end + 1]
+                    return raw, fds
+                if len(self._buf) > protocol.MAX_REPLY:
+                    raise ProtocolError(f"reply from {self.path} exceeds {protocol.MAX_REPLY} bytes")
+                self._sock.settimeout(_left(deadline))  # each receive gets what is left of the call's time
+                data, new_fds, flags, _ = socket_mod.recv_fds(self._sock, 1 << 20, 4)
+                fds += new_fds
+                if flags & socket_mod.MSG_CTRUNC:  # the kernel dropped fds it could not deliver
+                    raise ProtocolError(f"file descriptors from {self.path} were truncated (MSG_CTRUNC)")
+                if not data:
+                    raise DaemonUnavailable(f"pled at {self.path} closed the connection; {_HINT}")
+                self._buf += data
+        except BaseException:  # a timeout or reset half-way through a reply too: its fds are ours to close
+            close_all(fds)
+            raise
 
     def close(self) -> None:
         sock, self._sock = self._sock, None
@@ -131,20 +155,34 @@ def close_all(fds: list[int]) -> None:
         os.close(fd)
 
 
-def _error(name: str, params: dict, path: str) -> ClientError:
+def _left(deadline: float) -> float:
+    """Seconds left until ``deadline``; a timeout once none are."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("no time left")
+    return left
+
+
+def _error(name: str, progress: dict, path: str) -> ClientError:
+    """The error a reply names; what the daemon said is quoted clipped (it may be anything)."""
+    params = {key: clip(value, 1000) if isinstance(value, str) else value for key, value in progress.items()}
     if name == protocol.PERMISSION_DENIED:
         return PermissionDenied(f"pled at {path} refused uid {params.get('uid', os.geteuid())}: run it in pled's group "
                                 f"(SupplementaryGroups=pled), or ask the operator to add it or one of its groups to "
                                 f"allow_uids / allow_groups in /etc/pled/pled.toml")
     if name == protocol.NO_SUCH_TABLE:
         return NoSuchTable(f"pled at {path} serves no table {params.get('table')!r} (it serves: "
-                           f"{', '.join(params.get('tables') or []) or 'none'}); check the name and `pled status`")
+                           f"{_names(params.get('tables')) or 'none'}); check the name and `pled status`")
     if name == protocol.NOT_READY:
         return NotReady(f"table {params.get('table')!r} is still being staged ({params.get('shards_done')}/"
-                        f"{params.get('shards')} shards); attach with wait=True or try again", params)
+                        f"{params.get('shards')} shards); attach with wait=True or try again", progress)
     if name == protocol.RELOAD_FAILED:
         return ReloadFailed(f"reload failed, pled serves what it served before: {params.get('reason')}")
-    return ProtocolError(f"pled at {path} answered {name}: {params}")
+    return ProtocolError(f"pled at {path} answered {clip(name, 80)}: {clip(params)}")
+
+
+def _names(names) -> str:
+    return clip(", ".join(map(str, names))) if isinstance(names, list) else ""
 
 
 def call(method: str, socket: str | None = None, timeout: float = 10.0, **parameters) -> dict:

@@ -163,6 +163,18 @@ def state() -> State | None:
         return st
 
 
+def _served_tables(status, socket: str) -> list[str]:
+    """The table names in pled's Status reply, checked: a reply of another shape is a ProtocolError (and the
+    disk fallback applies), never a KeyError from deep in vLLM's loader."""
+    from pled import client
+
+    tables = status.get("tables") if isinstance(status, dict) else None
+    names = [t.get("table") if isinstance(t, dict) else None for t in tables] if isinstance(tables, list) else None
+    if names is None or not all(isinstance(n, str) for n in names):
+        raise client.ProtocolError(f"pled at {socket} answered io.pled.Status with no list of tables")
+    return names
+
+
 def _attach_all(st: State) -> None:
     from pled import client
     from pled.shared import protocol
@@ -171,7 +183,7 @@ def _attach_all(st: State) -> None:
     try:
         names = s.tables
         if names is None:
-            names = [t["table"] for t in client.call(protocol.STATUS, socket=s.socket)["tables"]]
+            names = _served_tables(client.call(protocol.STATUS, socket=s.socket), s.socket)
         for name in names:
             table = client.attach(name, socket=s.socket, populate=s.populate, wait=True, timeout=600)
             st.tables[name] = table

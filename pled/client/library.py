@@ -14,13 +14,15 @@ from __future__ import annotations
 import os
 
 from pled.shared import protocol, region
-from pled.client.connection import (DEFAULT_SOCKET, ENV_SOCKET, ClientError, Connection, DaemonUnavailable,
-    NoSuchTable, NotReady, PermissionDenied, ProtocolError, ReloadFailed, call, close_all, socket_path)
+from pled.shared.errors import RegionError
+from pled.client.connection import (DEFAULT_SOCKET, ENV_SOCKET, BadRegion, ClientError, Connection,
+    DaemonUnavailable, NoSuchTable, NotReady, PermissionDenied, ProtocolError, ReloadFailed, call, close_all,
+    socket_path)
 from pled.client.mapped_table import Table, TensorViews
 
 __all__ = ["attach", "call", "socket_path", "Table", "TensorViews", "Connection", "DEFAULT_SOCKET", "ENV_SOCKET",
            "ClientError", "DaemonUnavailable", "PermissionDenied", "NoSuchTable", "NotReady", "ReloadFailed",
-           "ProtocolError"]
+           "ProtocolError", "BadRegion"]
 
 
 def attach(table: str, socket: str | None = None, timeout: float = 10.0, populate: bool = True, wait: bool = False,
@@ -28,7 +30,12 @@ def attach(table: str, socket: str | None = None, timeout: float = 10.0, populat
     """Attach to ``table``; with ``wait`` a table still being staged is waited for (up to ``timeout``).
 
     ``warm_rows``: make gather scratch for requests of that many rows now and run such gathers until
-    their time settles, so that the first real request runs at full speed (see ``Table.warm``)."""
+    their time settles, so that the first real request runs at full speed (see ``Table.warm``).
+
+    ``timeout`` bounds the whole attach, from the connect to the reply. Nothing pled sends is trusted: the fd must
+    be a sealed memfd and its manifest must check out (``region.check_sealed_memfd``, ``region.read_manifest``)
+    before anything is mapped; whatever is wrong is a ClientError (``BadRegion`` for the region) and every fd
+    received is closed."""
     conn = Connection(socket, timeout)
     try:
         params, fds = conn.call(protocol.ATTACH, table=table, **({"wait": True} if wait else {}))
@@ -36,13 +43,26 @@ def attach(table: str, socket: str | None = None, timeout: float = 10.0, populat
             close_all(fds)
             raise ProtocolError(f"pled at {conn.path} sent {len(fds)} file descriptors for table {table!r}, expected 1")
         fd = fds[0]
-        if not region.is_sealed(fd):
+        try:
+            generation = params.get("generation", 0)
+            if type(generation) is not int or generation < 0:
+                raise ProtocolError(f"pled at {conn.path} sent generation {generation!r:.40} for table {table!r}, "
+                                    f"not a count")
+            region.check_sealed_memfd(fd)  # first: once sealed, nothing read below can change or shrink
+        except RegionError as err:
             os.close(fd)
-            raise ProtocolError(f"the region pled sent for table {table!r} is not sealed; refusing to map it")
+            raise BadRegion(f"the region pled at {conn.path} sent for table {table!r} is refused: {err}; "
+                            f"refusing to map it") from err
+        except BaseException:
+            os.close(fd)
+            raise
     except BaseException:
         conn.close()
         raise
-    t = Table(fd, int(params.get("generation", 0)), populate, attachment=conn)  # closes conn if it fails
+    try:
+        t = Table(fd, generation, populate, attachment=conn)  # closes fd and conn if it fails
+    except BadRegion as err:
+        raise BadRegion(f"the region pled at {conn.path} sent for table {table!r} is refused: {err}") from err
     try:
         if t.manifest.fingerprint != params.get("fingerprint") or t.manifest.table != table:
             raise ProtocolError(f"the region sent for table {table!r} does not match the reply (fingerprint or name)")

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pled.shared import hugepages, region
-from pled.client.connection import ClientError
+from pled.shared.errors import RegionError
+from pled.client.connection import BadRegion, ClientError
 
 if TYPE_CHECKING:
     import torch
@@ -39,7 +40,11 @@ _TORCH_DTYPES = {
 
 
 class Table:
-    """One mapped table. ``attachment`` (anything with close(), the daemon connection) is closed with it."""
+    """One mapped table. ``attachment`` (anything with close(), the daemon connection) is closed with it.
+
+    The region's header and manifest are checked before it is mapped (``region.read_manifest``: bounds, schema,
+    every shard and tensor inside the region); a region that fails is ``BadRegion``, and the fd and the
+    attachment are closed. Whether the fd is sealed is ``attach()``'s check (tests map unsealed copies here)."""
 
     _fd = -1
     _map = None
@@ -53,8 +58,11 @@ class Table:
         self.generation = generation
         self.populate_seconds = 0.0
         try:
-            self.manifest = region.read_manifest(fd)
-            self._map = region.map_readonly(fd)
+            try:
+                self.manifest = region.read_manifest(fd)
+                self._map = region.map_readonly(fd)
+            except (RegionError, OSError) as err:
+                raise BadRegion(f"{err}; refusing to map it") from err
             self._views: list = [None] * len(self.manifest.tensors)  # the one cache of tensor views, by entry
             self._by_shard: list[list[int]] = [[] for _ in self.manifest.shards]
             for index, entry in enumerate(self.manifest.tensors):

@@ -15,17 +15,12 @@ import os
 import struct
 from dataclasses import dataclass
 
+from pled.shared import region
 from pled.shared.boundary import BoundaryError, clip, load_json, open_regular
 from pled.shared.errors import SidecarError
 
 # Bits per element, as the safetensors format defines its dtypes.
-DTYPE_BITS = {
-    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8,
-    "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
-    "I32": 32, "U32": 32, "F32": 32, "C64": 64,
-    "I64": 64, "U64": 64, "F64": 64,
-    "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
-}
+DTYPE_BITS = region.DTYPE_BITS  # the dtypes a region may hold: one list, which clients check too
 # The reference implementation refuses headers over 100 MB; pled reads at most 8 MiB, which holds ~100,000
 # tensors (a real checkpoint shard's header is a few hundred KB), and parsing that stays under a second or two.
 MAX_HEADER = 8 * 1024 * 1024

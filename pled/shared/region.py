@@ -15,14 +15,20 @@ nothing beyond the standard library.
 """
 from __future__ import annotations
 
+import dataclasses
+import errno
 import fcntl
 import hashlib
 import json
+import math
 import mmap
 import os
+import stat
 import struct
 from dataclasses import asdict, dataclass, replace
 
+from pled.shared import layouts
+from pled.shared.boundary import clip, load_json
 from pled.shared.digests import PLACEHOLDER as DIGEST_PLACEHOLDER
 from pled.shared.errors import RegionError
 from pled.shared.hugepages import PMD_SIZE
@@ -32,6 +38,19 @@ FORMAT_VERSION = 1
 ALIGN = PMD_SIZE  # shards start on a PMD huge-page boundary
 _PREFIX = struct.Struct("<8sIIQQ32s")  # 64 bytes
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
+# A region's manifest is read like any untrusted JSON (a client cannot trust the fd it was sent): at most this
+# size (a generic table of 100,000 tensors needs about 15 MB) and this depth (the manifest, its shards or tensors
+# list, one entry, a tensor's shape).
+MAX_MANIFEST = 64 * 1024 * 1024
+MANIFEST_DEPTH = 4
+MAX_DIMS = 64  # more than any tensor has: a longer shape is refused before its size is worked out
+# The dtypes a region's tensors may have, bits per element: the safetensors format's. pled's sidecar reader stages
+# exactly these (pled.daemon.safetensors_file uses this table), and a client refuses a region with any other.
+DTYPE_BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "I16": 16, "U16": 16, "F16": 16,
+    "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "C64": 64, "I64": 64, "U64": 64, "F64": 64,
+    "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
+}
 
 
 def align(n: int) -> int:
@@ -98,10 +117,94 @@ class Manifest:
 
     @classmethod
     def from_json(cls, raw: bytes) -> "Manifest":
-        doc = json.loads(raw)
-        doc["shards"] = tuple(ShardEntry(**s) for s in doc["shards"])
-        doc["tensors"] = tuple(TensorEntry(**{**t, "shape": tuple(t["shape"])}) for t in doc["tensors"])
-        return cls(**doc)
+        """Parse and check a manifest from untrusted bytes; ValueError says what is wrong with it."""
+        doc = _object_of(load_json(raw, max_bytes=MAX_MANIFEST, max_depth=MANIFEST_DEPTH), cls, "its top object")
+        shards = [_object_of(s, ShardEntry, f"shard {i}") for i, s in enumerate(doc["shards"])]
+        doc["shards"] = tuple(ShardEntry(**s) for s in shards)
+        tensors = [_object_of(t, TensorEntry, f"tensor {i}") for i, t in enumerate(doc["tensors"])]
+        doc["tensors"] = tuple(TensorEntry(**{**t, "shape": tuple(t["shape"])}) for t in tensors)
+        manifest = cls(**doc)
+        _check_geometry(manifest)
+        return manifest
+
+
+# each dataclass of the manifest: its fields' types (strings: annotations are postponed here), those without a default
+_SCHEMAS = {cls: ({f.name: f.type for f in dataclasses.fields(cls)},
+                  {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING})
+            for cls in (Manifest, ShardEntry, TensorEntry)}
+
+
+def _object_of(doc, cls, what: str) -> dict:
+    """``doc`` if it is an object with exactly ``cls``'s fields (those with a default may be left out), each of its
+    type: ints are ints (not booleans or floats), strings strings, tuples lists (of ints, for a shape)."""
+    if type(doc) is not dict:
+        raise ValueError(f"has {what} as {type(doc).__name__}, not an object")
+    kinds, required = _SCHEMAS[cls]
+    if not required <= doc.keys() <= kinds.keys():
+        unknown = [k for k in doc if k not in kinds]
+        if unknown:
+            raise ValueError(f"has an unknown key {clip(unknown[0], 80)!r} in {what}")
+        raise ValueError(f"has no {sorted(required - doc.keys())[0]!r} in {what}")
+    for key, value in doc.items():
+        kind = kinds[key]
+        if kind == "int" or kind == "str":
+            ok = type(value) is (int if kind == "int" else str)
+        else:
+            ok = type(value) is list and (kind != "tuple[int, ...]" or all(type(v) is int for v in value))
+        if not ok:
+            want = {"int": "an integer", "str": "a string", "tuple[int, ...]": "a list of integers"}.get(kind, "a list")
+            raise ValueError(f"has {key} as {clip(json.dumps(value), 60)} in {what}, not {want}")
+    return doc
+
+
+def _check_geometry(m: Manifest) -> None:
+    """Every shard and tensor lies inside the region, in order and without overlap; every tensor's dtype is known
+    and its size is its shape's; a PLE table's shards hold its layout's tensors with the rows and width it says."""
+    if m.format != FORMAT_VERSION:
+        raise ValueError(f"is of format {m.format}; this pled reads format {FORMAT_VERSION}")
+    if min(m.rows, m.row_width) < 0 or not _PREFIX.size <= m.data_offset <= m.region_bytes:
+        raise ValueError(f"gives rows {m.rows}, width {m.row_width}, data at {m.data_offset} of {m.region_bytes} bytes")
+    end = m.data_offset
+    for i, s in enumerate(m.shards):
+        if s.index != i or s.rows < 0 or s.size < 0 or s.offset < end or s.offset + s.size > m.region_bytes:
+            raise ValueError(f"places shard {s.index} ({s.size} bytes, {s.rows} rows) at {s.offset}, outside bytes "
+                             f"{end}..{m.region_bytes} of the region (after the header and the shards before it)")
+        end = s.offset + s.size
+    seen: dict[int, dict[str, TensorEntry]] = {i: {} for i in range(len(m.shards))}
+    for t in m.tensors:
+        if t.shard not in seen:
+            raise ValueError(f"puts tensor {clip(t.name, 80)!r} in shard {t.shard}; there are {len(m.shards)} shards")
+        if t.name in seen[t.shard]:
+            raise ValueError(f"lists tensor {clip(t.name, 80)!r} of shard {t.shard} twice")
+        seen[t.shard][t.name] = t
+        bits = DTYPE_BITS.get(t.dtype)
+        if bits is None:
+            raise ValueError(f"gives tensor {clip(t.name, 80)!r} an unknown dtype {clip(t.dtype, 40)!r} "
+                             f"(known: {', '.join(DTYPE_BITS)})")
+        if len(t.shape) > MAX_DIMS:
+            raise ValueError(f"gives tensor {clip(t.name, 80)!r} {len(t.shape)} dimensions; at most {MAX_DIMS} are "
+                             "accepted")
+        if math.prod(t.shape) * bits != 8 * t.nbytes:
+            raise ValueError(f"gives tensor {clip(t.name, 80)!r} {t.nbytes} bytes ({8 * t.nbytes} bits), but "
+                             f"{t.dtype}{list(t.shape)} is {math.prod(t.shape) * bits} bits")
+        s = m.shards[t.shard]
+        if t.offset < s.offset or t.offset + t.nbytes > s.offset + s.size:
+            raise ValueError(f"places tensor {clip(t.name, 80)!r} at bytes {t.offset}..{t.offset + t.nbytes}, outside "
+                             f"its shard {t.shard} (bytes {s.offset}..{s.offset + s.size} of {m.region_bytes})")
+    layout = layouts.LAYOUTS.get(m.layout)
+    if layout is None:  # a generic table (or a layout this pled does not know): its tensors are all there is
+        return
+    for i, tensors in seen.items():
+        if set(tensors) != layout.names:
+            raise ValueError(f"gives shard {i} tensors {sorted(map(clip, tensors))}; "
+                             f"{layout.name} has {sorted(layout.names)}")
+        rows, width = layouts.rows_and_width(layout, {n: t.shape for n, t in tensors.items()},
+                                             {n: t.dtype for n, t in tensors.items()})
+        if (rows, width) != (m.shards[i].rows, m.row_width):
+            raise ValueError(f"says shard {i} has {m.shards[i].rows} rows of width {m.row_width}; its tensors have "
+                             f"{rows} of width {width}")
+    if sum(s.rows for s in m.shards) != m.rows:
+        raise ValueError(f"says {m.rows} rows; its shards hold {sum(s.rows for s in m.shards)}")
 
 
 def plan(table: str, sidecar) -> Manifest:
@@ -134,7 +237,8 @@ _parsed: dict[bytes, Manifest] = {}  # sha256 of a manifest -> the manifest: par
 
 
 def read_manifest(fd: int) -> Manifest:
-    """The manifest of the region behind ``fd``, checked against the fd's real size."""
+    """The manifest of the region behind ``fd``, checked against the fd's real size, parsed within bounds and
+    checked (``Manifest.from_json``): RegionError says what is wrong. Parsed once a process per manifest."""
     size = os.fstat(fd).st_size
     prefix = os.pread(fd, _PREFIX.size, 0)
     if len(prefix) < _PREFIX.size:
@@ -144,18 +248,24 @@ def read_manifest(fd: int) -> Manifest:
         raise RegionError(f"fd {fd} is not a pled region (magic {magic!r})")
     if version != FORMAT_VERSION:
         raise RegionError(f"fd {fd} is a pled region of format {version}; this pled reads format {FORMAT_VERSION}")
-    if _PREFIX.size + length > data_offset or data_offset > size:
-        raise RegionError(f"fd {fd}: region header claims {length} bytes of manifest in a {size}-byte region")
+    if _PREFIX.size + length > data_offset or data_offset > size or length > MAX_MANIFEST:
+        raise RegionError(f"fd {fd}: region header claims {length} bytes of manifest and data at {data_offset} in a "
+                          f"{size}-byte region (a manifest may have at most {MAX_MANIFEST} bytes)")
     raw = os.pread(fd, length, _PREFIX.size)
     if hashlib.sha256(raw).digest() != digest:
         raise RegionError(f"fd {fd}: region manifest does not match its checksum")
     manifest = _parsed.get(digest)
-    if manifest is None:  # the same bytes always parse to the same manifest (frozen): parse once a process
-        manifest = _parsed[digest] = Manifest.from_json(raw)
+    if manifest is None:  # the same bytes always parse to the same manifest (frozen): parse and check once a process
+        try:
+            manifest = Manifest.from_json(raw)
+        except ValueError as err:  # BoundaryError is one; the checks above raise it with what is wrong
+            raise RegionError(f"fd {fd}: the region's manifest {err}") from None
+        _parsed[digest] = manifest
         if len(_parsed) > 64:
             _parsed.pop(next(iter(_parsed)))
-    if manifest.region_bytes != size:
-        raise RegionError(f"fd {fd}: manifest says {manifest.region_bytes} bytes but the region has {size}")
+    if manifest.region_bytes != size or manifest.data_offset != data_offset:
+        raise RegionError(f"fd {fd}: manifest says {manifest.region_bytes} bytes with data at {manifest.data_offset}, "
+                          f"but the region has {size} and its header puts the data at {data_offset}")
     return manifest
 
 
@@ -165,6 +275,26 @@ def seals(fd: int) -> int:
 
 def is_sealed(fd: int) -> bool:
     return seals(fd) & SEALS == SEALS
+
+
+def check_sealed_memfd(fd: int) -> None:
+    """Refuse an fd that is not a memfd with all four ``SEALS``; RegionError says what it is instead. Check this
+    before reading the region: once sealed, nothing read can change (WRITE) or vanish under a mapping (SHRINK).
+
+    The test is the seals, not the fd's name in /proc/self/fd ("/memfd:..."), which needs /proc and which a file
+    at /memfd:x on disk has too. F_GET_SEALS fails with EINVAL on every file that cannot be sealed (on disk, a
+    pipe, a socket); tmpfs and hugetlbfs files opened by path can, but are born with F_SEAL_SEAL and never gain
+    another seal. So all four seals together mean a memfd made with MFD_ALLOW_SEALING and sealed by its maker."""
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        raise RegionError(f"fd {fd} is not a memfd: not a regular file (type {stat.S_IFMT(mode):#o})")
+    try:
+        have = seals(fd)
+    except OSError as err:
+        why = "a file that cannot be sealed, such as one on disk" if err.errno == errno.EINVAL else err.strerror
+        raise RegionError(f"fd {fd} is not a memfd: F_GET_SEALS fails ({why})") from err
+    if have & SEALS != SEALS:
+        raise RegionError(f"fd {fd} is not sealed (seals {have:#x}; a region has {SEALS:#x}: shrink, grow, write, seal)")
 
 
 def map_readonly(fd: int) -> mmap.mmap:

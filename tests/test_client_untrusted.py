@@ -1,0 +1,325 @@
+"""The client library does not trust the server (issue 19, finding 5).
+
+The fake server here is the attacker, honestly so: a real Unix socket served from a thread, answering an Attach
+with real fds (memfds made with os.memfd_create and sealed, or a regular file on disk) whose bytes are built by
+hand to be wrong in exactly one way each: a valid prefix with a correct sha256 over a manifest that nests too deep,
+names an unknown key, places a tensor outside the region... Each case must end in a ``ClientError`` (so that the
+vLLM plugin's ``fallback = "disk"`` falls back instead of crashing the load) whose message says what was wrong,
+with every fd that arrived closed: /proc/self/fd counts the same before and after. A reply dripped one byte a
+second must not hold ``attach(timeout=2)`` longer than about two seconds.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import replace
+
+import pytest
+
+from pled.client import connection, held_files, mapped_table
+from pled.client.connection import ClientError, DaemonUnavailable, ProtocolError
+from pled.client.library import attach
+from pled.shared import region
+from pled.shared.region import ALIGN, MAGIC, Manifest, ShardEntry, TensorEntry, _PREFIX
+
+FINGERPRINT = "f" * 64
+
+
+def _fds() -> dict[str, str]:
+    """This process's open fds and what each is (the listing's own fd among them, as it is both times)."""
+    fds = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the listing's own fd, closed by now
+            fds[fd] = "?"
+    return fds
+
+
+@pytest.fixture
+def no_fd_leak():
+    """Asserts, after the test and its fake server are done, that this process has as many fds open as before."""
+    before = _fds()
+    yield
+    deadline = time.monotonic() + 5  # the fake server's thread closes its own copies as it ends
+    while len(after := _fds()) > len(before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(after) == len(before), sorted(set(after.values()) - set(before.values()))
+
+
+class FakeServer:
+    """Serves one connection at ``path``: reads one call, answers ``reply`` (NUL added) with ``fds`` on its first
+    byte, then closes everything it holds, the fds it sent included. ``drip``: send one byte a second instead,
+    until the client goes away or ``stop`` is set."""
+
+    def __init__(self, path: str, reply: bytes, fds: list[int] = (), drip: bool = False) -> None:
+        self.path, self.reply, self.fds, self.drip = path, reply + b"\0", list(fds), drip
+        self.stop = threading.Event()
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        self.listener.bind(path)
+        self.listener.listen(1)
+        self.listener.settimeout(10)
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        try:
+            conn, _ = self.listener.accept()
+            with conn:
+                call = b""
+                while not call.endswith(b"\0"):
+                    call += conn.recv(65536) or b"\0"
+                if self.fds:
+                    socket.send_fds(conn, [self.reply[:1]], self.fds)
+                else:
+                    conn.sendall(self.reply[:1])
+                if not self.drip:
+                    conn.sendall(self.reply[1:])
+                    return
+                for i in range(1, len(self.reply)):
+                    if self.stop.wait(1.0):
+                        return
+                    conn.sendall(self.reply[i:i + 1])
+        except OSError:  # the client hung up: it is entitled to
+            pass
+        finally:
+            self.listener.close()
+            for fd in self.fds:
+                os.close(fd)
+
+    def join(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
+        assert not self.thread.is_alive()
+
+
+def attach_reply(**over) -> bytes:
+    params = {"table": "t", "generation": 1, "fingerprint": FINGERPRINT, "region_bytes": 2 * ALIGN, **over}
+    return json.dumps({"parameters": params}).encode()
+
+
+def manifest() -> Manifest:
+    """A well-formed generic table: one shard of 64 bytes at 2 MiB, one tensor, U8[64], filling it."""
+    shard = ShardEntry(0, "/srv/t/shard_0.safetensors", 64, 1, 2, 3, "a" * 64, ALIGN, 0, "")
+    return Manifest("t", "safetensors", 0, 0, ALIGN, 2 * ALIGN, FINGERPRINT, (shard,),
+                    (TensorEntry("w", 0, "U8", (64,), ALIGN, 64),))
+
+
+def doc() -> dict:
+    return json.loads(manifest().to_json())
+
+
+def header(raw: bytes, data_offset: int = ALIGN, length: int | None = None) -> bytes:
+    """A correct prefix (magic, version, sha256 of ``raw``) before ``raw``: only the manifest itself is wrong."""
+    return _PREFIX.pack(MAGIC, region.FORMAT_VERSION, 0, data_offset, len(raw) if length is None else length,
+                        hashlib.sha256(raw).digest()) + raw
+
+
+def memfd(content: bytes, size: int = 2 * ALIGN, seal: bool = True) -> int:
+    fd = os.memfd_create("fake-region", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    os.pwrite(fd, content, 0)
+    if seal:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, region.SEALS)
+    return fd
+
+
+def serve_and_attach(tmp_path, fd: int, reply: bytes | None = None):
+    """Serve ``fd`` for table "t" and attach to it; the fake server is done (its fds closed) when this returns."""
+    server = FakeServer(str(tmp_path / "pled.sock"), reply or attach_reply(), [fd])
+    try:
+        return attach("t", socket=server.path, timeout=10, populate=False)
+    finally:
+        server.join()
+
+
+def refused(tmp_path, fd: int, kind: str = "BadRegion", match: str = "", reply: bytes | None = None) -> str:
+    """Attach to ``fd`` served by the fake server: a ClientError of class ``kind`` whose message matches."""
+    with pytest.raises(ClientError, match=match) as caught:
+        t = serve_and_attach(tmp_path, fd, reply)
+        t.close()  # attached: the test fails, and its own fd is not the leak reported
+    assert isinstance(caught.value, getattr(connection, kind)), repr(caught.value)
+    return str(caught.value)
+
+
+def manifest_fd(d: dict) -> int:
+    return memfd(header(json.dumps(d).encode()))
+
+
+# -- the control: a well-formed region from the same fake server is attached ----------------------------------
+
+def test_a_well_formed_region_from_the_fake_server_is_attached(tmp_path, no_fd_leak):
+    t = serve_and_attach(tmp_path, memfd(region.encode_header(manifest())))
+    try:
+        assert t.manifest == manifest() and t.generation == 1
+    finally:
+        t.close()
+
+
+# -- the fd --------------------------------------------------------------------------------------------------
+
+def test_a_regular_file_instead_of_a_memfd_is_refused(tmp_path, no_fd_leak):
+    path = tmp_path / "region"
+    path.write_bytes(region.encode_header(manifest()))  # a valid region's bytes: only the kind of file is wrong
+    os.truncate(path, 2 * ALIGN)
+    refused(tmp_path, os.open(path, os.O_RDONLY | os.O_CLOEXEC), match="not a memfd.*cannot be sealed")
+
+
+def test_an_unsealed_memfd_is_refused(tmp_path, no_fd_leak):
+    refused(tmp_path, memfd(region.encode_header(manifest()), seal=False), match="not sealed")
+
+
+def test_a_memfd_sealed_against_writes_only_is_refused(tmp_path, no_fd_leak):
+    fd = memfd(region.encode_header(manifest()), seal=False)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)  # it may still shrink under a mapping: SIGBUS
+    refused(tmp_path, fd, match="not sealed")
+
+
+# -- the header ----------------------------------------------------------------------------------------------
+
+def test_garbage_bytes_are_refused(tmp_path, no_fd_leak):
+    refused(tmp_path, memfd(os.urandom(4096)), match="not a pled region")
+
+
+def test_a_header_claiming_more_than_the_memfd_is_refused(tmp_path, no_fd_leak):
+    raw = manifest().to_json()
+    refused(tmp_path, memfd(header(raw, data_offset=1 << 40, length=(1 << 40) - 64)), match="claims")
+
+
+# -- the manifest --------------------------------------------------------------------------------------------
+
+def test_a_manifest_nested_100000_deep_is_refused(tmp_path, no_fd_leak):
+    raw = b'{"table":' + b"[" * 100_000 + b"]" * 100_000 + b"}"  # its sha256 in the prefix is right
+    refused(tmp_path, memfd(header(raw)), match="nests 100001 levels deep")
+
+
+def test_an_unknown_manifest_key_is_refused(tmp_path, no_fd_leak):
+    d = doc()
+    d["evil"] = 1
+    refused(tmp_path, manifest_fd(d), match="unknown key 'evil'")
+
+
+def test_an_unknown_shard_key_is_refused(tmp_path, no_fd_leak):
+    d = doc()
+    d["shards"][0]["evil"] = 1
+    refused(tmp_path, manifest_fd(d), match="unknown key 'evil' in shard 0")
+
+
+def test_shards_that_are_not_a_list_are_refused(tmp_path, no_fd_leak):
+    d = doc()
+    d["shards"] = d["shards"][0]
+    refused(tmp_path, manifest_fd(d), match="shards as .* not a list")
+
+
+def test_an_offset_that_is_not_an_integer_is_refused(tmp_path, no_fd_leak):
+    d = doc()
+    d["tensors"][0]["offset"] = str(ALIGN)
+    refused(tmp_path, manifest_fd(d), match="offset as .* in tensor 0, not an integer")
+
+
+def test_a_tensor_beyond_the_region_is_refused(tmp_path, no_fd_leak):
+    m = manifest()
+    m = replace(m, tensors=(replace(m.tensors[0], offset=m.region_bytes - 8),))
+    refused(tmp_path, memfd(region.encode_header(m)), match="places tensor 'w' at bytes .* outside its shard")
+
+
+def test_a_shard_beyond_the_region_is_refused(tmp_path, no_fd_leak):
+    m = manifest()
+    m = replace(m, shards=(replace(m.shards[0], size=2 * ALIGN),))
+    refused(tmp_path, memfd(region.encode_header(m)), match="places shard 0 .* outside bytes")
+
+
+def test_a_tensor_whose_size_is_not_its_shapes_is_refused(tmp_path, no_fd_leak):
+    m = manifest()
+    m = replace(m, tensors=(replace(m.tensors[0], shape=(1 << 40,)),))
+    refused(tmp_path, memfd(region.encode_header(m)), match="64 bytes .512 bits., but U8.* is 8796093022208 bits")
+
+
+def test_an_unknown_dtype_is_refused(tmp_path, no_fd_leak):
+    m = manifest()
+    m = replace(m, tensors=(replace(m.tensors[0], dtype="Q7"),))
+    refused(tmp_path, memfd(region.encode_header(m)), match="unknown dtype 'Q7'")
+
+
+def test_the_dtypes_a_region_may_hold_are_those_pled_stages():
+    from pled.daemon.safetensors_file import DTYPE_BITS
+
+    assert DTYPE_BITS is region.DTYPE_BITS  # one table, for the daemon's reader and the client's check
+    assert set(mapped_table._TORCH_DTYPES) <= set(region.DTYPE_BITS)
+
+
+@pytest.mark.parametrize("status", [{"tables": 5}, {"tables": [{"table": 1}]}, {"tables": ["t"]}, []])
+def test_the_plugins_list_of_tables_comes_from_a_checked_status_reply(status):
+    with pytest.raises(ProtocolError, match="no list of tables"):
+        held_files._served_tables(status, "/run/pled/pled.sock")
+    assert held_files._served_tables({"tables": [{"table": "a"}, {"table": "b"}]}, "s") == ["a", "b"]
+
+
+# -- the reply -----------------------------------------------------------------------------------------------
+
+def test_a_reply_nested_100000_deep_is_refused(tmp_path, no_fd_leak):
+    reply = b'{"parameters":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    refused(tmp_path, memfd(region.encode_header(manifest())), "ProtocolError", "nests 100001 levels deep", reply)
+
+
+def test_a_generation_that_is_not_a_count_is_refused(tmp_path, no_fd_leak):
+    reply = attach_reply(generation="one")
+    refused(tmp_path, memfd(region.encode_header(manifest())), "ProtocolError", "generation 'one'", reply)
+
+
+def test_an_error_whose_parameters_are_not_an_object_is_refused(tmp_path, no_fd_leak):
+    reply = json.dumps({"error": "io.pled.NoSuchTable", "parameters": [1, 2]}).encode()
+    refused(tmp_path, memfd(region.encode_header(manifest())), "ProtocolError", "parameters", reply)
+
+
+def test_a_reply_dripped_a_byte_a_second_ends_within_the_timeout(tmp_path, no_fd_leak):
+    server = FakeServer(str(tmp_path / "pled.sock"), attach_reply(), [memfd(region.encode_header(manifest()))],
+                        drip=True)
+    outcome: list = []
+
+    def client() -> None:
+        try:
+            outcome.append(attach("t", socket=server.path, timeout=2, populate=False))
+        except BaseException as err:  # noqa: BLE001 - the outcome is what is checked
+            outcome.append(err)
+
+    start = time.monotonic()
+    worker = threading.Thread(target=client, daemon=True)
+    worker.start()
+    worker.join(6)
+    took = time.monotonic() - start
+    server.join()  # stops the drip: a client still waiting then sees the connection close
+    worker.join(10)
+    assert took < 3.5, f"attach(timeout=2) was still waiting after {took:.1f} s (the timeout was per receive)"
+    assert isinstance(outcome[0], DaemonUnavailable) and "did not answer io.pled.Attach within 2 s" in str(outcome[0])
+
+
+# -- the vLLM plugin's fallback ------------------------------------------------------------------------------
+
+def test_the_plugins_disk_fallback_sees_a_bad_region_as_a_client_error(tmp_path, monkeypatch, caplog, no_fd_leak):
+    """With fallback = "disk" a bad region is a warning and the files are read from disk; it was a crash."""
+    d = doc()
+    d["shards"] = "all of them"
+    server = FakeServer(str(tmp_path / "pled.sock"), attach_reply(), [manifest_fd(d)])
+    monkeypatch.setenv("PLED_SOCKET", server.path)
+    monkeypatch.setenv("PLED_TABLES", "t")
+    monkeypatch.setenv("PLED_FALLBACK", "disk")
+    monkeypatch.setattr(held_files, "_state", None)
+    monkeypatch.setattr(held_files.atexit, "register", lambda *a: None)
+    try:
+        with caplog.at_level(logging.WARNING, logger="vllm.pled"):
+            st = held_files.state()
+    finally:
+        server.join()
+    assert st is not None and not st.tables and not st.files
+    assert "cannot attach" in caplog.text and "shards as" in caplog.text and "reading from disk" in caplog.text
+
+
+def test_a_bad_region_is_a_client_error():
+    assert issubclass(connection.BadRegion, ProtocolError) and issubclass(connection.BadRegion, ClientError)
