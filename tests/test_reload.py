@@ -70,7 +70,7 @@ def test_reload_switches_generations_while_a_client_reads_the_old_one(tmp_path, 
     assert lines.index("READY=1", reloading) > removed  # READY=1 again once the switch is done
     text = log.read_text()
     assert "reload: staging table t as generation 2 next to generation 1" in text
-    assert "table t generation 1 released (generation 2 now served); 1 client(s) still map it" in text
+    assert "table t generation 1 released (generation 2 now served); 1 connected client(s) attached to it" in text
 
 
 def test_failed_reloads_change_nothing_and_say_why(tmp_path, daemon, sidecar):
@@ -108,7 +108,7 @@ def test_a_removed_table_stops_being_offered_and_sighup_reloads(tmp_path, daemon
     pled.wait_for("reload done")
     with pytest.raises(client.NoSuchTable):
         client.attach("b", socket=pled.socket)
-    assert "table b generation 1 released (removed from the config: no longer offered); 1 client(s) still map it" in pled.log()
+    assert "table b generation 1 released (removed from the config: no longer offered); 1 connected client(s) attached to it" in pled.log()
     with open(b / "shard_0.safetensors", "rb") as f:  # the holder's mapping is intact
         assert held.buffer[held.shards[0].offset : held.shards[0].offset + held.shards[0].size] == f.read()
     held.close()

@@ -23,6 +23,7 @@ SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux 4.13+; Python's so
 _GID_SIZE = 4  # gid_t
 _PY_MAX_BUFLEN = 1024  # socket.getsockopt refuses larger buffers: 256 groups
 NGROUPS_MAX = 65536
+COMMAND_READ = 4096  # bytes of a peer's /proc/PID/cmdline read for the 120 characters a log line shows
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ def _peer_groups_libc(fd: int) -> set[int]:
 def _command(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = f.read().split(b"\0")
+            argv = f.read(COMMAND_READ).split(b"\0")  # a prefix: an argv of megabytes costs the loop nothing
         # one line, every control character escaped (ESC, BEL, U+2028...): a process title is the peer's to set
         text = printable(" ".join(" ".join(a.decode(errors="replace").split()) for a in argv if a))
         return (text[:117] + "...") if len(text) > 120 else (text or "?")

@@ -145,8 +145,8 @@ class Reloader:
         holders = self.d.handlers.holders(old.name, old.generation)
         self.d.fdstore.remove(notify.fd_name(old.name, old.generation))
         old.region.close()
-        log.info("table %s generation %d released (%s); %d client(s) still map it, and its memory is freed when the "
-                 "last of them unmaps", old.name, old.generation, why, holders)
+        log.info("table %s generation %d released (%s); %d connected client(s) attached to it; its memory is freed "
+                 "when the last process that maps it or holds its fd lets it go", old.name, old.generation, why, holders)
 
     def fail(self, why: str) -> None:
         """Nothing changes: the new generations staged so far are let go, the callers told why."""

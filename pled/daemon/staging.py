@@ -187,6 +187,7 @@ def stage(
         manifest, huge_bytes = _fill(fd, planned, sidecar, fill, on_shard, Pacer(bandwidth, should_stop, chunk), table, digests)
         seconds = time.perf_counter() - start
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, region.SEALS)
+        os.fchmod(fd, 0o444)  # a client cannot reopen it writable through /proc either (the seals hold regardless)
     except BaseException:
         os.close(fd)  # a half-built region frees its memory with its last fd
         raise
