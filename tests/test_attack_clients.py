@@ -204,3 +204,57 @@ def test_exceptions_thrown_into_handlers_never_stop_the_daemon(tmp_path, sidecar
     log = pled.log()
     assert "chaos" in log and "Traceback" in log  # logged, with where it happened
     assert_serving(pled, "t1", d, before)
+
+
+def test_a_group_member_holding_attached_connections_cannot_lock_out_root_or_others(tmp_path, sidecar, open_dir, pleds):
+    """A member of pled's group opens connections, attaches on each and keeps them (an attached connection is never
+    idle, so none makes room): it gets at most its uid's share, and root's Status still goes through."""
+    import grp
+    import signal as signal_mod
+
+    from pled import client
+    from pled.daemon import fdlimit
+
+    gid = next(g for g in range(4000, 5000) if g not in {e.gr_gid for e in grp.getgrall()})
+    d = sidecar(shards=2, rows=64)
+    sock_path = os.path.join(open_dir, "pled.sock")
+    pled = start(tmp_path, {"t1": d}, socket=sock_path, nofile=200, prefix=["setpriv", f"--regid={gid}", "--clear-groups"])
+    pleds.append(pled)
+    cap = fdlimit.max_connections(200)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the member: uid 65534 in pled's group, holding every connection it can get
+        try:
+            os.setgroups([gid])
+            os.setgid(65534)
+            os.setuid(65534)
+            held = 0
+            for _ in range(cap + 10):
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.settimeout(5)
+                try:
+                    s.connect(sock_path)
+                    s.sendall(protocol.call(protocol.ATTACH, table="t1"))
+                    data, fds, _, _ = socket.recv_fds(s, 65536, 4)
+                except OSError:
+                    continue
+                for fd in fds:
+                    os.close(fd)
+                held += bool(fds)
+                s.detach()  # kept open until this process ends
+            os.write(w, str(held).encode())
+            signal_mod.pause()
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        held = int(os.read(r, 64))
+        st = client.call(protocol.STATUS, socket=sock_path, timeout=10)  # root, at once
+        assert 0 < held <= fdlimit.per_uid(cap), (held, cap)
+        assert sum(1 for c in st["clients"] if c["uid"] == 65534) == held
+        assert f"uid 65534 already holds {fdlimit.per_uid(cap)} connections" in pled.log()
+        assert_serving(pled, "t1", d)
+    finally:
+        os.kill(pid, signal_mod.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(r)

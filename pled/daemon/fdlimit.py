@@ -4,6 +4,10 @@ systemd's default soft RLIMIT_NOFILE is 1024 (with a hard limit of 524288), and 
 a user has in flight over Unix sockets (sent, not yet received) at the sender's RLIMIT_NOFILE unless it
 holds CAP_SYS_RESOURCE, which pled.service does not. So pled raises its soft limit to the hard one at
 start (units/pled.service sets LimitNOFILE=), and keeps its connection cap well below what is left.
+
+Within the cap no one uid other than root and pled's own may hold more than a quarter of the connections, and
+the last OPERATOR_RESERVE are kept for root and pled's user: a client in pled's group that opens (and attaches)
+connections until the cap cannot lock out `pled status`, `pled reload` or the other users' processes.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ log = logging.getLogger(__name__)
 
 CONNECTIONS_CAP = 4096  # more clients than any host runs vLLM processes
 RESERVE = 128  # fds for the regions (two generations a table while reloading), staging, the store, logs
+OPERATOR_RESERVE = 8  # connections only root and pled's own user may take
 
 
 def raise_nofile() -> int:
@@ -42,3 +47,19 @@ def max_connections(limit: int) -> int:
 def max_fds_in_flight(limit: int) -> int:
     """Region fds one peer uid may have sent to it and not yet received: a small share of the kernel's cap."""
     return max(16, min(256, limit // 4))
+
+
+def per_uid(cap: int) -> int:
+    """Connections one uid (other than root and pled's own) may hold: a quarter of the cap, at least 16."""
+    return max(16, cap // 4)
+
+
+def over_share(uid: int, operators: tuple[int, ...], open_by_uid: int, open_total: int, cap: int) -> str | None:
+    """Why a new connection of ``uid`` is refused though the cap is not reached (None: it is not)."""
+    if uid in operators:
+        return None
+    if open_by_uid >= per_uid(cap):
+        return f"uid {uid} already holds {open_by_uid} connections (at most {per_uid(cap)} per uid)"
+    if open_total >= cap - OPERATOR_RESERVE:
+        return f"{open_total} connections open; the last {OPERATOR_RESERVE} of {cap} are kept for root and pled's user"
+    return None

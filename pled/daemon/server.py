@@ -1,13 +1,11 @@
 """The socket clients attach through: non-blocking, single-threaded, hard to upset.
 
-Every connection is checked with SO_PEERCRED when it is accepted. Calls are bounded in size and nesting
-(boundary.load_json); a connection with half a message older than CALL_TIMEOUT, or with a reply it has not
-read for as long, is dropped, and so is one past its bound on unread replies or on fds in flight
-(session.py). Connections are capped below the open-file limit: at the cap an idle connection (no table,
-no call) makes room for a new one, and while accept() fails for want of fds the listener rests instead of
-spinning. Anything that goes wrong handling one connection, a bug included, ends in that connection's error
-reply or its drop, logged; it never reaches the loop. A client stays connected while it holds a table: that
-is how pled knows who is attached, and logs the detach when the connection goes.
+Every connection is checked with SO_PEERCRED when accepted. Calls are bounded in size and nesting; a connection
+with half a message, or an unread reply, older than CALL_TIMEOUT is dropped, and so is one past its bound on
+unread replies or fds in flight (session.py). Connections are capped below the open-file limit, per uid too
+(fdlimit.py): at the cap an idle one (no table, no call) makes room, and while accept() finds no fd the listener
+rests. Whatever goes wrong with one connection, a bug included, ends in its error reply or its drop, logged,
+never in the loop. A client stays connected while it holds a table: its close is the detach.
 """
 from __future__ import annotations
 
@@ -21,10 +19,11 @@ import time
 from typing import Callable
 
 from pled.shared import protocol
+from pled.daemon import fdlimit
 from pled.daemon.access import Policy, peer_of
 from pled.shared.boundary import clip
-from pled.daemon.session import (CALL_TIMEOUT, MAX_FDS_PER_CONNECTION, MAX_UNREAD, MAX_UNREAD_PER_UID, Outgoing,
-                                 Reply, Session)
+from pled.daemon.session import (CALL_TIMEOUT, MAX_UNREAD, MAX_UNREAD_PER_UID, Outgoing, Reply, Session,
+                                 fd_budget_drops)
 from pled.daemon.listener import bind
 from pled.daemon.throttle import Throttle
 
@@ -99,20 +98,28 @@ class Server:
                 self._throttle.log("accept", log.warning, "accept() failed: %s", err)
                 return
             sock.setblocking(False)
-            if len(self.connections) >= self.max_connections and not self._make_room():
-                self._throttle.log("full", log.warning, "refusing clients: %d connections open, all attached or busy "
-                                   "(the cap is %d, from the open-file limit)", len(self.connections), self.max_connections)
-                sock.close()
-                continue
             try:
                 peer = peer_of(sock)
             except OSError:
+                sock.close()
+                continue
+            if not self._admit(peer):
                 sock.close()
                 continue
             conn = Session(sock, peer, self.policy.allows(peer))
             self.connections[conn.fd] = conn
             self._sel.register(sock, selectors.EVENT_READ, lambda mask, c=conn: self._ready(c, mask))
             log.debug("client connected: %s", peer.describe())
+
+    def _admit(self, peer) -> bool:
+        """Room for ``peer``: within its uid's share (fdlimit.over_share) and the cap, where an idle one may go."""
+        uids = [c.peer.uid for c in self.connections.values()]
+        why = fdlimit.over_share(peer.uid, (0, self.policy.own_uid), uids.count(peer.uid), len(uids), self.max_connections)
+        if why is None and len(uids) >= self.max_connections and not self._make_room():
+            why = f"all {len(uids)} connections are attached or busy (the cap, from the open-file limit)"
+        if why is not None:
+            self._throttle.log(("refuse", peer.uid), log.warning, "refusing %s: %s", peer.describe(), why)
+        return why is None
 
     def _make_room(self) -> bool:
         """At the cap: close the connection idle longest that holds no table and waits for nothing."""
@@ -254,31 +261,19 @@ class Server:
         try:
             return Outgoing.of(data, reply)
         except OSError as err:
-            self._throttle.log("nofd", log.warning, "cannot send a table to %s: %s (%d connections open); it may try "
-                               "again (raise LimitNOFILE= if this persists)", conn.peer.describe(), err.strerror,
-                               len(self.connections))
-            return Outgoing(protocol.encode(protocol.error(protocol.INTERNAL_ERROR, reason=f"pled has no file descriptor "
-                                                          f"free to send the table ({err.strerror}); try again")), [])
+            self._throttle.log("nofd", log.warning, "cannot send a table to %s: %s (%d connections open; raise "
+                               "LimitNOFILE=)", conn.peer.describe(), err.strerror, len(self.connections))
+            return Outgoing(protocol.encode(protocol.error(protocol.INTERNAL_ERROR, reason=f"no fd free ({err.strerror})")), [])
 
     def _unread_of(self, uid: int) -> int:
         return sum(c.out_bytes for c in self.connections.values() if c.peer.uid == uid)
 
     def _room_for_fds(self, conn: Session, n: int) -> bool:
-        """Bound the region fds sent and not yet received, per connection and per peer uid; past a bound the
-        greediest connection goes, named, and the others are unaffected."""
-        mine = conn.fds_in_flight()
-        if mine + n > MAX_FDS_PER_CONNECTION:
-            self._drop(conn, f"{mine} table fds sent to it are unread (at most {MAX_FDS_PER_CONNECTION} per connection)")
-            return False
-        same = [c for c in self.connections.values() if c.peer.uid == conn.peer.uid and (c.fds_sent or c.out or c is conn)]
-        while sum(c.fds_in_flight() for c in same) + n > self.max_fds_per_uid:
-            greedy = max(same, key=lambda c: c.fds_in_flight())
-            self._drop(greedy, f"uid {conn.peer.uid} has {self.max_fds_per_uid} table fds unread over its connections; "
-                               f"this one holds {greedy.fds_in_flight()}")
-            same.remove(greedy)
-            if greedy is conn:
-                return False
-        return True
+        """Bound the region fds sent and not yet received, per connection and per peer uid: past a bound the
+        greediest connection goes, named (session.fd_budget_drops), and the others are unaffected."""
+        for victim, why in fd_budget_drops(conn, list(self.connections.values()), n, self.max_fds_per_uid):
+            self._drop(victim, why)
+        return self._live(conn)
 
     def _flush(self, conn: Session) -> None:
         while conn.out:

@@ -152,3 +152,21 @@ class Session:
     def idle(self) -> bool:
         """Holds no table and waits for nothing: a connection that may be closed to admit another."""
         return not (self.attached or self.pending or self.inbox or self.out or self.framer.pending or self.closing)
+
+
+def fd_budget_drops(conn: Session, connections: list[Session], n: int, max_per_uid: int) -> list[tuple[Session, str]]:
+    """The connections to drop, and why, before ``n`` more region fds go to ``conn``: ``conn`` itself past its own
+    bound; past its uid's bound, the greediest of that uid's connections until the rest fit (``conn`` last)."""
+    mine = conn.fds_in_flight()
+    if mine + n > MAX_FDS_PER_CONNECTION:
+        return [(conn, f"{mine} table fds sent to it are unread (at most {MAX_FDS_PER_CONNECTION} per connection)")]
+    same = [c for c in connections if c.peer.uid == conn.peer.uid and (c.fds_sent or c.out or c is conn)]
+    drops = []
+    while same and sum(c.fds_in_flight() for c in same) + n > max_per_uid:
+        greedy = max(same, key=lambda c: c.fds_in_flight())
+        drops.append((greedy, f"uid {conn.peer.uid} has {max_per_uid} table fds unread over its connections; this one "
+                              f"holds {greedy.fds_in_flight()}"))
+        same.remove(greedy)
+        if greedy is conn:
+            break
+    return drops
