@@ -123,6 +123,25 @@ def daemon(tmp_path):
         d.stop()
 
 
+@pytest.fixture
+def pleds():
+    """A list to put started daemons in (tests/attack.py's start); each is stopped afterwards."""
+    started = []
+    yield started
+    for p in started:
+        p.stop()
+
+
+def require_fuse() -> None:
+    """Skip unless a FUSE file system can be mounted here (root, /dev/fuse, libfuse3 for mfusepy)."""
+    try:
+        import mfusepy  # noqa: F401
+    except (ImportError, OSError) as err:
+        pytest.skip(f"FUSE bindings unavailable ({err}); .ci/run installs libfuse3")
+    if not os.path.exists("/dev/fuse") or os.geteuid() != 0:
+        pytest.skip("needs /dev/fuse and root")
+
+
 class NotifySocket:
     """Collects sd_notify datagrams: (sender pid, fields, fds)."""
 

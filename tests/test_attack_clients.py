@@ -20,14 +20,6 @@ def many_fds():
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-@pytest.fixture
-def pleds():
-    started = []
-    yield started
-    for p in started:
-        p.stop()
-
-
 def test_1_a_deeply_nested_call_is_refused_not_fatal(tmp_path, sidecar, pleds):
     d = sidecar(shards=4, rows=64)
     pled = start(tmp_path, {"t1": d})

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Daemon, run_pled, write_config
+from conftest import Daemon, require_fuse, run_pled, write_config
 from pled import client
 from pled.shared import protocol
 from pled.generator import make_sidecar
@@ -83,12 +83,7 @@ def test_a_shard_that_shrinks_while_it_is_copied_fails_the_start_clearly(tmp_pat
 @pytest.fixture
 def faultfs(tmp_path):
     """mount(source, bad_file, bad_offset) -> a FUSE mount of ``source`` whose reads of that byte fail with EIO."""
-    try:
-        import mfusepy  # noqa: F401
-    except (ImportError, OSError) as err:
-        pytest.skip(f"FUSE bindings unavailable ({err}); .ci/run installs libfuse3")
-    if not os.path.exists("/dev/fuse") or os.geteuid() != 0:
-        pytest.skip("needs /dev/fuse and root")
+    require_fuse()
     mounts = []
 
     def mount(source: Path, name: str, offset: int) -> Path:

@@ -33,14 +33,6 @@ ATTACH = protocol.call(protocol.ATTACH, table="t1")
 ATTACH_WAIT = protocol.call(protocol.ATTACH, table="slow", wait=True)
 
 
-@pytest.fixture
-def pleds():
-    started = []
-    yield started
-    for p in started:
-        p.stop()
-
-
 def identity(fd: int) -> tuple[int, int]:
     st = os.fstat(fd)
     return st.st_dev, st.st_ino

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Daemon, write_config
+from conftest import Daemon, require_fuse, write_config
 from pled import client
 from pled.shared import protocol
 
@@ -22,12 +22,7 @@ from pled.shared import protocol
 def blockfs(tmp_path):
     """mount(source) -> (mountpoint, flag): a FUSE pass-through of ``source`` whose getattr, open and read hang
     while ``flag`` exists; each call that hangs adds a line to ``flag``.calls."""
-    try:
-        import mfusepy  # noqa: F401
-    except (ImportError, OSError) as err:
-        pytest.skip(f"FUSE bindings unavailable ({err}); .ci/run installs libfuse3")
-    if not os.path.exists("/dev/fuse") or os.geteuid() != 0:
-        pytest.skip("needs /dev/fuse and root")
+    require_fuse()
     mounts = []
 
     def mount(source: Path) -> tuple[Path, Path]:
