@@ -123,6 +123,15 @@ MUTATIONS = [
     Mutation("SIGQUIT left to its default action", "pled/daemon/lifecycle.py",
              '"SIGTERM", "SIGINT", "SIGQUIT", "SIGHUP"', '"SIGTERM", "SIGINT", "SIGHUP"',
              ("tests/test_signals.py::test_sigquit_stops_pled_as_sigterm_does",)),
+    Mutation("a client maps whatever fd it is sent (no memfd or seal check)", "pled/client/library.py",
+             "            region.check_sealed_memfd(fd)  #", "            pass  #",
+             ("tests/test_client_untrusted.py::test_a_regular_file_instead_of_a_memfd_is_refused",)),
+    Mutation("a client takes a manifest's offsets on trust", "pled/shared/region.py",
+             "        _check_geometry(manifest)\n        return manifest\n", "        return manifest\n",
+             ("tests/test_client_untrusted.py::test_a_tensor_beyond_the_region_is_refused",)),
+    Mutation("a reply carries a writable (O_RDWR) duplicate of the region", "pled/daemon/session.py",
+             "                fds.append(readonly_duplicate(r.fd))\n", "                fds.append(os.dup(r.fd))\n",
+             ("tests/test_serving.py::test_writes_through_a_client_mapping_fail",)),
 ]
 
 
