@@ -2,7 +2,8 @@
 fault; its results equal, bit for bit, a reference read from the shard files with struct and the per-shard
 op chain (bench/op_chain.py) that gather was before it kept scratch, for all three layouts."""
 import importlib.util
-import resource
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,8 +21,13 @@ _spec.loader.exec_module(op_chain)
 SHARDS, ROWS = 5, 2000
 
 
-def minor_faults() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+def in_a_process_of_its_own(script: str, *args) -> list[str]:
+    """Run ``script`` in a fresh Python; its output lines. Page faults are counted there: in pytest's process,
+    every fork an earlier test made (a subprocess with preexec_fn, a forked client) leaves its pages
+    copy-on-write, and the first write to each is a fault that no gather caused."""
+    r = subprocess.run([sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout.splitlines()
 
 
 def chain(t, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -56,37 +62,56 @@ def test_gather_equals_the_references_bit_for_bit(sidecar, daemon, layout):
         assert torch.equal(wide[:, 160:], got) and not wide[:, :160].any()
 
 
+REPEATED_GATHERS = """
+import resource, sys, torch
+from pled import client
+layout, sock, total = sys.argv[1], sys.argv[2], int(sys.argv[3])
+faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+with client.attach(layout, socket=sock) as t:
+    g = torch.Generator().manual_seed(1)
+    n = 4096  # every per-request buffer is over glibc's 128 KiB mmap threshold: a fresh one would fault
+    for dtype in (torch.float32, torch.bfloat16):
+        out = torch.empty((n, 160), dtype=dtype)
+        t.gather(torch.randint(0, total, (n,), generator=g), out=out)  # the first pays
+        ptrs = [b.data_ptr() for b in t.scratch.buffers()]
+        for _ in range(3):
+            ids = torch.randint(0, total, (n,), generator=g)
+            before = faults()
+            t.gather(ids, out=out)
+            print(dtype, "faults", faults() - before)
+        t.gather(ids[: n // 2], out=out[: n // 2])  # smaller requests use the same scratch
+        print(dtype, "same scratch", [b.data_ptr() for b in t.scratch.buffers()] == ptrs)
+"""
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_second_gather_of_the_same_size_allocates_nothing(sidecar, daemon, layout):
     d = sidecar(layout, shards=SHARDS, rows=ROWS, seed=6)
     pled = daemon({layout: d})
-    with client.attach(layout, socket=pled.socket) as t:
-        g = torch.Generator().manual_seed(1)
-        n = 4096  # every per-request buffer is over glibc's 128 KiB mmap threshold: a fresh one would fault
-        for dtype in (torch.float32, torch.bfloat16):
-            out = torch.empty((n, 160), dtype=dtype)
-            t.gather(torch.randint(0, SHARDS * ROWS, (n,), generator=g), out=out)  # the first pays
-            ptrs = [b.data_ptr() for b in t.scratch.buffers()]
-            for _ in range(3):
-                ids = torch.randint(0, SHARDS * ROWS, (n,), generator=g)
-                before = minor_faults()
-                t.gather(ids, out=out)
-                assert minor_faults() - before == 0, f"{layout} {dtype}: a repeated gather took page faults"
-            t.gather(ids[: n // 2], out=out[: n // 2])  # smaller requests use the same scratch
-            assert [b.data_ptr() for b in t.scratch.buffers()] == ptrs
+    lines = in_a_process_of_its_own(REPEATED_GATHERS, layout, pled.socket, SHARDS * ROWS)
+    assert len(lines) == 8, lines
+    for line in lines:
+        assert line.endswith(" faults 0") or line.endswith(" same scratch True"), f"{layout}: {line}"
+
+
+WARM_THEN_GATHER = """
+import resource, sys, torch
+from pled import client
+sock, total = sys.argv[1], int(sys.argv[2])
+out = torch.empty((4096, 160), dtype=torch.bfloat16)
+out.zero_()
+with client.attach("t", socket=sock, warm_rows=4096) as t:
+    ids = torch.randint(0, total, (4096,))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    t.gather(ids, out=out)
+    print("rows", t.scratch.rows, "faults", resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
 
 
 def test_warm_rows_pays_the_first_request_at_attach(sidecar, daemon):
     d = sidecar("ples_int4", shards=SHARDS, rows=ROWS)
     pled = daemon({"t": d})
-    out = torch.empty((4096, 160), dtype=torch.bfloat16)
-    out.zero_()
-    with client.attach("t", socket=pled.socket, warm_rows=4096) as t:
-        assert t.scratch.rows == 4096
-        ids = torch.randint(0, SHARDS * ROWS, (4096,))
-        before = minor_faults()
-        t.gather(ids, out=out)
-        assert minor_faults() - before == 0
+    assert in_a_process_of_its_own(WARM_THEN_GATHER, pled.socket, SHARDS * ROWS) == ["rows 4096 faults 0"]
 
 
 @pytest.mark.parametrize("times,expected", [([], False), ([1.0], False), ([1.0, 1.049], True), ([1.0, 0.951], True),
