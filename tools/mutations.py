@@ -132,6 +132,9 @@ MUTATIONS = [
     Mutation("a reply carries a writable (O_RDWR) duplicate of the region", "pled/daemon/session.py",
              "                fds.append(readonly_duplicate(r.fd))\n", "                fds.append(os.dup(r.fd))\n",
              ("tests/test_serving.py::test_writes_through_a_client_mapping_fail",)),
+    Mutation("gather scratch made anew for every request", "pled/client/gather.py",
+             "        if self.scratch is None or self.scratch.rows < rows:\n", "        if True:\n",
+             ("tests/test_gather_scratch.py::test_a_second_gather_of_the_same_size_allocates_nothing",)),
 ]
 
 
