@@ -8,6 +8,7 @@ import struct
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import kubernetes_validate
@@ -61,11 +62,75 @@ def test_containerfiles_pass_hadolint(name):
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+def _copied_into_the_wheel_stage(containerfile: Path) -> list[str]:
+    """The paths the recipe's `wheel` stage COPYs from the build context (its `COPY src... dest` lines)."""
+    stage = containerfile.read_text().split(" AS wheel\n", 1)[1].split("\nFROM ", 1)[0]
+    return [src for line in stage.splitlines() if line.startswith("COPY ") and "--from" not in line
+            for src in line.split()[1:-1]]
+
+
+def build_wheel_as_the_recipe_does(containerfile: Path, tmp_path: Path) -> Path:
+    """`pip wheel --no-deps` over a build context holding exactly what the recipe's wheel stage COPYs.
+    The build backend is this environment's (offline), where the image's pip would fetch setuptools."""
+    root = containerfile.parent.parent
+    context = tmp_path / "src"
+    context.mkdir()
+    copied = _copied_into_the_wheel_stage(containerfile)
+    assert "pled" in copied, copied
+    for src in copied:
+        if (root / src).is_dir():
+            shutil.copytree(root / src, context / src, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(root / src, context / src)
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                        "--wheel-dir", str(tmp_path / "wheels"), str(context)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (wheel,) = (tmp_path / "wheels").glob("pled-*.whl")
+    return wheel
+
+
+@pytest.mark.parametrize("name", ["Containerfile", "vllm-with-pled.Containerfile"])
+def test_the_wheel_built_as_the_recipe_builds_it_carries_the_hook_and_licence(name, tmp_path):
+    """The wheel holds the start-up hook (at the top of site-packages), the licence and the package. Without setup.py
+    the hook is missing, without LICENSE the licence: the recipes before issue 25 copied only pyproject.toml,
+    README.md and pled/, and failed here."""
+    wheel = build_wheel_as_the_recipe_does(DEPLOY / name, tmp_path)
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "pled-autoload.pth" in names, names
+    assert any(n.endswith(".dist-info/licenses/LICENSE") or n.endswith(".dist-info/LICENSE") for n in names), names
+    assert {"pled/__init__.py", "pled/cli.py", "pled/autoload.py", "pled/client/vllm_plugin.py"} <= set(names)
+
+
+@pytest.mark.parametrize("name, extra", [("Containerfile", "daemon"), ("vllm-with-pled.Containerfile", "client")])
+def test_the_images_install_the_wheel_file_with_its_extra(name, extra, tmp_path):
+    """The recipe's own install line, run as written (pip in a dry run, offline): pip would install the wheel file
+    the wheel stage built, with the image's extra. Not `pled` by name (PyPI's `pled` is another project), not the
+    wheel without `[daemon]` (the pled command then exits 1: pydantic missing). What the images then do, run by
+    podman, is tests/test_podman.py's."""
+    containerfile = DEPLOY / name
+    wheel = build_wheel_as_the_recipe_does(containerfile, tmp_path)
+    final = containerfile.read_text().split(" AS wheel\n", 1)[1].split("\nFROM ", 1)[1]
+    (install,) = [l for l in final.splitlines() if l.startswith("RUN ") and "pip install" in l]
+    script = ('pip() { "$PY" -m pip "$@"; }; python3() { "$PY" "$@"; }; pled() { :; }\n'
+              + install[len("RUN "):].replace("/wheels", str(wheel.parent)))
+    report = tmp_path / "report.json"
+    env = {**os.environ, "PY": sys.executable, "PIP_DRY_RUN": "1", "PIP_NO_DEPS": "1", "PIP_NO_INDEX": "1",
+           "PIP_IGNORE_INSTALLED": "1", "PIP_REPORT": str(report), "PIP_FIND_LINKS": "", "PIP_CONSTRAINT": ""}
+    r = subprocess.run(["sh", "-ec", script], capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, install + "\n" + r.stdout + r.stderr
+    (item,) = json.loads(report.read_text())["install"]
+    assert item["metadata"]["name"] == "pled" and item["requested_extras"] == [extra], item
+    assert item["download_info"]["url"] == wheel.as_uri(), item
+    assert all(l.split()[1].startswith("docker.io/") for l in containerfile.read_text().splitlines()
+               if l.startswith("FROM "))
+
+
 def test_the_pled_image_runs_pled_serve_as_pid_1():
     text = (DEPLOY / "Containerfile").read_text()
-    assert 'ENTRYPOINT ["pled", "serve"]' in text and "STOPSIGNAL SIGTERM" in text
-    assert "pip install --no-cache-dir /wheels/pled-*.whl" in text and "slim" in text
-    assert "systemd" not in text.split("FROM python", 1)[1].split("\n", 1)[1].replace("No systemd", "")
+    assert 'ENTRYPOINT ["pled", "serve"]' in text and "STOPSIGNAL SIGTERM" in text and "slim" in text
+    final_stage = text.split("FROM docker.io/library/python", 2)[2].split("\n", 1)[1]
+    assert "systemd" not in final_stage.replace("No systemd", "")
 
 
 def _sparse_sidecar(d: Path, tensors: dict, rows: int, shards: int = 128) -> Path:
@@ -152,3 +217,13 @@ def test_pled_serve_as_pid_1_stops_cleanly_on_sigterm(sidecar, tmp_path):
             outer.wait()
     text = log.read_text()
     assert "SIGTERM: stopping" in text and "stopped: released 1 table(s)" in text
+
+
+def test_a_client_without_pled_is_told_about_the_container_case_too(tmp_path):
+    """DaemonUnavailable names systemd's commands and, where pled runs in a container, that container and the mount."""
+    from pled import client
+
+    with pytest.raises(client.DaemonUnavailable) as err:
+        client.attach("t", socket=str(tmp_path / "nobody-home.sock"))
+    text = str(err.value)
+    assert "systemctl start pled" in text and "container" in text and "socket directory is mounted" in text, text

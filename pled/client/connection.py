@@ -15,7 +15,8 @@ from pled.shared.errors import PledError
 
 DEFAULT_SOCKET = protocol.DEFAULT_SOCKET
 ENV_SOCKET = "PLED_SOCKET"
-_HINT = "check `systemctl status pled` and `journalctl -u pled`"
+_HINT = ("check `systemctl status pled` and `journalctl -u pled` (where pled runs in a container: that container, "
+         "its log, and that its socket directory is mounted here)")
 
 
 class ClientError(PledError):

@@ -1,0 +1,335 @@
+"""deploy/'s Containerfiles built and run by a real container runtime (podman), both directions:
+
+- pled in a container (deploy/Containerfile) serving a client on the host: attach, gather, `pled status` in the
+  container, HEALTHCHECK, a restart with the client attached, and a refusal (exit 78) under a too-small `--memory`;
+- pled on the host serving a client in a container built by deploy/vllm-with-pled.Containerfile, through a read-only
+  socket mount: the start-up hook (pled-autoload.pth) serves `safetensors.safe_open` from pled in a process that
+  loads no vLLM plugins.
+
+No image registry is needed. The base is made here: `debootstrap` (Debian's mirror, through apt's own client) of a
+minimal bookworm with python3 and pip, `podman import`ed, its tar cached in .cache/podman-base/ between runs. Only the
+recipes' FROM lines change, in a copy: the Python base becomes that image, vLLM's image a stand-in (the base with torch
+and safetensors, no vLLM: a process there loads no plugins). Inside a build no index is reached: the wheels are
+fetched here with `pip download` and mounted at /wheelhouse, which the base's PIP_NO_INDEX/PIP_FIND_LINKS point to.
+
+The test's own containers.conf (CONTAINERS_CONF) carries what some machines need: runc (crun refuses a hybrid cgroup
+layout) and default ulimits within the hard limits (root may lack CAP_SYS_RESOURCE: podman's default nproc is refused).
+The build and start times are written to stderr when the module ends (shown with pytest -s, or on a failure). Needs
+root, podman, runc and debootstrap; skips without them, naming what is missing.
+"""
+from __future__ import annotations
+
+import grp
+import hashlib
+import json
+import os
+import re
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import run_pled, write_config
+from pled import client
+from pled.generator import make_sidecar
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+CACHE = ROOT / ".cache" / "podman-base"
+SUITE = "bookworm"
+BASE = f"localhost/pled-test-base:{SUITE}"  # kept between runs (with its tar in CACHE)
+TAG = f"pled-test-{os.getpid()}"  # this run's images and containers, removed at the end
+PLED_IMAGE, VLLM_STANDIN, VLLM_IMAGE = f"localhost/{TAG}-pled", f"localhost/{TAG}-standin", f"localhost/{TAG}-vllm"
+ROWS = [0, 1, 57, 99, 150, 199]
+pytestmark = pytest.mark.timeout(1500)  # the first test also pays for the module's builds (about 3.5 min from cold)
+TIMES: dict[str, float] = {}
+
+
+def _missing() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (rootful podman, debootstrap)"
+    path = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"  # runc and debootstrap live in sbin
+    gone = [t for t in ("podman", "runc", "debootstrap") if not shutil.which(t, path=path)]
+    if gone:
+        return f"{', '.join(gone)} not installed (.ci/run installs podman, runc and debootstrap with apt-get)"
+    return None
+
+
+def _run(cmd: list[str], env: dict, timeout: float = 600, check: bool = True, **kw) -> subprocess.CompletedProcess:
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, **kw)
+    if check and r.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {r.returncode}:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}")
+    return r
+
+
+def _base_image(env: dict) -> None:
+    """The cached base image, else its cached tar imported, else debootstrap made now (about 90 s)."""
+    if _run(["podman", "image", "exists", BASE], env, check=False).returncode == 0:
+        return
+    CACHE.mkdir(parents=True, exist_ok=True)
+    tar = CACHE / f"{SUITE}-rootfs.tar"
+    if not tar.exists():
+        t0 = time.monotonic()
+        with tempfile.TemporaryDirectory(dir=CACHE) as d:
+            r = _run(["debootstrap", "--variant=minbase", "--include=python3,python3-pip,python-is-python3",
+                      SUITE, f"{d}/rootfs"], env, timeout=1200, check=False)
+            if r.returncode != 0:
+                pytest.skip(f"debootstrap could not make the base (is Debian's mirror reachable?): "
+                            f"{(r.stdout + r.stderr)[-600:]}")
+            _run(["tar", "-C", f"{d}/rootfs", "-cf", f"{tar}.part", "."], env)
+            os.rename(f"{tar}.part", tar)
+        TIMES["debootstrap"] = time.monotonic() - t0
+    # pip's settings for the builds: no index, the wheels fetched on the host (mounted at /wheelhouse), and pip may
+    # install into Debian's system Python (python:3.12-slim has no EXTERNALLY-MANAGED; Debian's python3 has).
+    changes = ["ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "ENV PIP_NO_INDEX=1",
+               "ENV PIP_FIND_LINKS=/wheelhouse", "ENV PIP_BREAK_SYSTEM_PACKAGES=1", "ENV PIP_ROOT_USER_ACTION=ignore",
+               "ENV PIP_DISABLE_PIP_VERSION_CHECK=1"]
+    _run(["podman", "import", *[a for c in changes for a in ("--change", c)], str(tar), BASE], env)
+
+
+def _wheelhouse(d: Path) -> Path:
+    """The wheels the images install, fetched here: the build backend, pled's dependencies with both extras, and
+    torch and safetensors for the stand-in of vLLM's image (the base's python3 is this Debian's, as is ours)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    wanted = [*project["build-system"]["requires"], *project["project"]["dependencies"],
+              *project["project"]["optional-dependencies"]["daemon"], "torch==" + torch.__version__.split("+")[0],
+              "safetensors"]
+    r = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:", "--dest", str(d),
+                        *wanted], capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        pytest.skip(f"pip download could not fetch the images' wheels (is PyPI reachable?): {r.stderr[-600:]}")
+    return d
+
+
+def _recipe(name: str, dest: Path, python_base: str, vllm_base: str = "") -> Path:
+    """The recipe with only its FROM lines changed."""
+    text = (DEPLOY / name).read_text()
+    text = re.sub(r"^FROM (docker\.io/library/)?python:\S+", f"FROM {python_base}", text, flags=re.M)
+    text = re.sub(r"^FROM (docker\.io/)?vllm/vllm-openai:\S+", f"FROM {vllm_base}", text, flags=re.M)
+    assert all(l.split()[1].startswith("localhost/") for l in text.splitlines() if l.startswith("FROM ")), text
+    (dest / name).write_text(text)
+    return dest / name
+
+
+def _build(env: dict, containerfile: Path, tag: str, wheels: Path, context: Path = ROOT) -> None:
+    t0 = time.monotonic()
+    _run(["podman", "build", "--format", "docker", "--network", "none", "--layers=false",
+          "--volume", f"{wheels}:/wheelhouse:ro",
+          "-f", str(containerfile), "-t", tag, str(context)], env, timeout=900)
+    TIMES[f"build {tag.rsplit('-', 1)[1]}"] = time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def podman():
+    """env for podman; the two images built from deploy/'s recipes. Removes this run's containers and images."""
+    why = _missing()
+    if why:
+        pytest.skip(why)
+    work = Path(tempfile.mkdtemp(prefix="pled-podman-"))
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    nofile = 1048576 if hard == resource.RLIM_INFINITY else min(hard, 1048576)
+    # nproc too: podman's default (pid_max) is refused without CAP_SYS_RESOURCE; 65536 was refused here, 4096 is not
+    (work / "containers.conf").write_text(f'[containers]\ndefault_ulimits = ["nofile={nofile}:{nofile}", '
+                                          f'"nproc=4096:4096"]\n[engine]\nruntime = "runc"\n')
+    env = {**os.environ, "CONTAINERS_CONF": str(work / "containers.conf"),
+           "PATH": os.environ.get("PATH", "") + ":/usr/sbin:/sbin"}
+    env.pop("NOTIFY_SOCKET", None)
+    try:
+        t0 = time.monotonic()
+        _base_image(env)
+        TIMES["base image"] = time.monotonic() - t0
+        wheels = _wheelhouse(work / "wheels")
+        _build(env, _recipe("Containerfile", work, BASE), PLED_IMAGE, wheels)
+        standin = work / "standin"
+        standin.mkdir()
+        (standin / "Containerfile").write_text(f"FROM {BASE}\nRUN pip install --no-cache-dir "
+                                               f"torch=={torch.__version__.split('+')[0]} safetensors\n")
+        _build(env, standin / "Containerfile", VLLM_STANDIN, wheels, context=standin)
+        _build(env, _recipe("vllm-with-pled.Containerfile", work, BASE, VLLM_STANDIN), VLLM_IMAGE, wheels)
+        yield env
+    finally:
+        ps = _run(["podman", "ps", "-aq", "--filter", f"name=^{TAG}"], env, check=False).stdout.split()
+        if ps:
+            _run(["podman", "rm", "-f", "-t", "0", *ps], env, check=False)
+        _run(["podman", "rmi", "-f", VLLM_IMAGE, VLLM_STANDIN, PLED_IMAGE], env, check=False)
+        shutil.rmtree(work, ignore_errors=True)
+        sys.stderr.write("\npodman test times: " + ", ".join(f"{k} {v:.1f} s" for k, v in TIMES.items()) + "\n")
+
+
+@pytest.fixture
+def shared_dir():
+    """A directory under /tmp that containers and any uid may reach, removed afterwards."""
+    d = Path(tempfile.mkdtemp(prefix="pled-podman-", dir="/tmp"))
+    os.chmod(d, 0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _unused_gid() -> int:
+    for gid in range(4242, 5000):
+        try:
+            grp.getgrgid(gid)
+        except KeyError:
+            return gid
+    raise RuntimeError("no unused gid in 4242..4999")
+
+
+def _digest(table) -> str:
+    return hashlib.sha256(table.gather(torch.tensor(ROWS)).float().numpy().tobytes()).hexdigest()
+
+
+def _wait_ready(env: dict, name: str, sock: Path, t0: float, timeout: float = 60) -> float:
+    """Seconds from t0 until `pled status` in the container exits 0 (every table ready and resident)."""
+    deadline = t0 + timeout
+    while True:
+        r = _run(["podman", "exec", name, "pled", "status", "-c", "/etc/pled/pled.toml"], env, check=False)
+        if r.returncode == 0 and sock.exists():
+            return time.monotonic() - t0
+        state = _run(["podman", "container", "inspect", "--format", "{{.State.Status}}", name], env, check=False)
+        if time.monotonic() > deadline or state.stdout.strip() not in ("created", "running", "configured"):
+            logs = _run(["podman", "logs", name], env, check=False)
+            raise AssertionError(f"pled in {name} not ready ({state.stdout.strip()}, {time.monotonic() - t0:.1f} s): "
+                                 f"{r.stdout}{r.stderr}\n"
+                                 f"{logs.stdout}{logs.stderr}")
+        time.sleep(0.1)
+
+
+def test_pled_in_a_container_serves_a_host_client(podman, shared_dir):
+    env = podman
+    make_sidecar(str(shared_dir / "ples_int4"), "ples_int4", shards=2, rows=100)
+    (shared_dir / "etc").mkdir()
+    run = shared_dir / "run"
+    run.mkdir(mode=0o755)
+    write_config(shared_dir / "etc" / "pled.toml", {"t": shared_dir / "ples_int4"}, socket="/run/pled/pled.sock",
+                 headroom_margin=0)
+    group = _unused_gid()
+    name = f"{TAG}-pled"
+    models = shared_dir / "ples_int4"  # mounted at the same path: pled's config names it
+    mounts = ["-v", f"{shared_dir / 'etc'}:/etc/pled:ro", "-v", f"{models}:{models}:ro"]
+    # As the README runs it: no capabilities, a read-only root, --user 0:<gid> makes <gid> the socket's group.
+    t0 = time.monotonic()
+    _run(["podman", "run", "-d", "--name", name, "--network", "none", "--memory", "512m", "--memory-swap", "512m",
+          "--cap-drop", "all", "--read-only", "--user", f"0:{group}", *mounts, "-v", f"{run}:/run/pled", PLED_IMAGE],
+         env)
+    TIMES["pled container ready"] = _wait_ready(env, name, run / "pled.sock", t0)
+    sock = str(run / "pled.sock")
+    assert os.stat(sock).st_gid == group and os.stat(sock).st_mode & 0o777 == 0o660
+    # The image's HEALTHCHECK survived (podman keeps it only with --format docker) and passes.
+    inspect = json.loads(_run(["podman", "image", "inspect", PLED_IMAGE], env).stdout)[0]
+    assert inspect["Healthcheck"]["Test"][1:3] == ["pled", "status"], inspect
+    assert _run(["podman", "healthcheck", "run", name], env, check=False).returncode == 0
+
+    with client.attach("t", socket=sock) as held:
+        expected = _digest(held)
+        with client.attach("t", socket=sock) as again:  # what the host reads matches the sidecar on disk
+            assert _digest(again) == expected
+        # pled in its own PID namespace: the host client is counted, shown as pid 0 with no command (README)
+        st = json.loads(_run(["podman", "exec", name, "pled", "status", "--json", "-c", "/etc/pled/pled.toml"],
+                             env).stdout)
+        assert [(c["pid"], c["command"], c["tables"]) for c in st["clients"]] == [(0, "?", ["t"])], st
+        assert st["pid"] == 1, st  # pled is the container's PID 1
+        # A restart with the client attached: the client keeps reading its mapping; a new pled stages again.
+        t1 = time.monotonic()
+        _run(["podman", "restart", "-t", "30", name], env)
+        TIMES["pled container restart"] = _wait_ready(env, name, run / "pled.sock", t1)
+        assert _digest(held) == expected
+        with client.attach("t", socket=sock) as after:
+            assert _digest(after) == expected and after.generation >= 1
+    logs = _run(["podman", "logs", name], env)
+    text = logs.stdout + logs.stderr
+    assert "SIGTERM: stopping" in text and text.count("ready:") == 2, text
+    assert "to pid 0 uid 0" in text, text  # the log, too, cannot name a host client's pid
+
+    # In the host's PID namespace (--pid=host; hostPID in Kubernetes), pled lists the host client by its pid.
+    hostpid = run.parent / "run-hostpid"
+    hostpid.mkdir()
+    t2 = time.monotonic()
+    _run(["podman", "run", "-d", "--name", f"{TAG}-hostpid", "--pid", "host", "--network", "none", "--memory", "512m",
+          "--cap-drop", "all", "--read-only", "--user", f"0:{group}", *mounts, "-v", f"{hostpid}:/run/pled",
+          PLED_IMAGE], env)
+    _wait_ready(env, f"{TAG}-hostpid", hostpid / "pled.sock", t2)
+    with client.attach("t", socket=str(hostpid / "pled.sock")) as seen:
+        assert _digest(seen) == expected
+        st = json.loads(_run(["podman", "exec", f"{TAG}-hostpid", "pled", "status", "--json", "-c",
+                              "/etc/pled/pled.toml"], env).stdout)
+        assert [c["pid"] for c in st["clients"]] == [os.getpid()], st
+    _run(["podman", "rm", "-f", "-t", "10", f"{TAG}-hostpid"], env)
+
+    # Too small a memory limit for the table and its margin: the preflight refuses with 78 (EX_CONFIG), naming the
+    # container's cgroup limit.
+    (shared_dir / "etc-small").mkdir()
+    write_config(shared_dir / "etc-small" / "pled.toml", {"t": shared_dir / "ples_int4"}, socket="/run/pled/pled.sock",
+                 headroom_margin=256 * 1024**2)
+    small = run.parent / "run-small"
+    small.mkdir()
+    r = _run(["podman", "run", "--name", f"{TAG}-small", "--network", "none", "--memory", "128m",
+              "--memory-swap", "128m", "--cap-drop", "all", "--read-only", "--user", f"0:{group}",
+              "-v", f"{shared_dir / 'etc-small'}:/etc/pled:ro", *mounts[2:], "-v", f"{small}:/run/pled", PLED_IMAGE],
+             env, check=False, timeout=120)
+    assert r.returncode == 78, r.stdout + r.stderr
+    assert "134217728" in (r.stdout + r.stderr) or "128.0 MiB" in (r.stdout + r.stderr), r.stdout + r.stderr
+
+
+HOOKED = r"""
+import hashlib, json, os, sys
+hooked = getattr(sys, "_pled_autoload_tried", False), "pled.autoload" in sys.modules
+from safetensors import safe_open
+import torch
+with safe_open(sys.argv[1], framework="pt") as f:
+    t = f.get_tensor("weight_i4")
+    print(json.dumps({"hooked": hooked, "served_by": type(f).__module__, "vllm": "vllm" in sys.modules,
+                      "sha": hashlib.sha256(t.numpy().tobytes()).hexdigest(), "pid": os.getpid()}), flush=True)
+    sys.stdin.readline()  # attached until the test has looked at `pled status`
+"""
+
+
+def test_pled_on_the_host_serves_a_client_in_the_vllm_image(podman, daemon, shared_dir):
+    env = podman
+    make_sidecar(str(shared_dir / "ples_int4"), "ples_int4", shards=2, rows=100)
+    shard = shared_dir / "ples_int4" / "shard_1.safetensors"
+    group = _unused_gid()
+    run = shared_dir / "run"
+    run.mkdir(mode=0o750)
+    os.chown(run, -1, group)  # as pled.service's RuntimeDirectory: 0750 in the socket's group
+    pled = daemon({"t": shared_dir / "ples_int4"}, socket=str(run / "pled.sock"), allow_groups=[group])
+    os.chown(pled.socket, -1, group)  # the socket 0660 in that group (pled.service: Group=pled)
+    with client.attach("t", socket=pled.socket) as t:
+        expected = hashlib.sha256(t.tensors["shard_1/weight_i4"].numpy().tobytes()).hexdigest()
+
+    # The README's run line: the socket directory read-only, PLED_SOCKET, the group by number, the models at the
+    # same path; a non-root user, admitted through the group.
+    proc = subprocess.Popen(
+        ["podman", "run", "--rm", "-i", "--name", f"{TAG}-vllm", "--network", "none", "--user", "4321:4321",
+         "--group-add", str(group), "-v", f"{run}:/run/pled:ro", "-e", "PLED_SOCKET=/run/pled/pled.sock",
+         "-v", f"{shared_dir / 'ples_int4'}:{shared_dir / 'ples_int4'}:ro", VLLM_IMAGE, "python3", "-c", HOOKED,
+         str(shard)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        if not line:
+            proc.wait(timeout=60)
+            raise AssertionError(f"the container ended ({proc.returncode}): {proc.stderr.read()[-3000:]}")
+        got = json.loads(line)
+        # The start-up hook ran at the interpreter's start, and safe_open was served by pled, not read from disk.
+        assert got["hooked"] == [True, True] and not got["vllm"], got
+        assert got["served_by"] == "pled.client.safe_open_seam" and got["sha"] == expected, got
+        # pled, on the host, lists the container's process by its host pid and host uid.
+        st = run_pled("status", "--json", "--socket", pled.socket)
+        assert st.returncode == 0, st.stdout + st.stderr
+        (listed,) = [c for c in json.loads(st.stdout)["clients"] if c["uid"] == 4321]
+        nspid = next(l for l in Path(f"/proc/{listed['pid']}/status").read_text().splitlines()
+                     if l.startswith("NSpid:"))
+        assert nspid.split()[-1] == str(got["pid"]) and listed["pid"] != got["pid"], (nspid, got)
+        proc.stdin.write("done\n")
+        proc.stdin.close()
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
