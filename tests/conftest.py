@@ -16,6 +16,12 @@ import pytest
 from pled.generator import make_sidecar
 
 LAYOUTS = ["ples_fp8", "ples_int4", "ples_nvfp4"]
+SUMMARY: list[str] = []  # lines a test leaves for the end of the run (figures a closing note quotes), past capture
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    for line in SUMMARY:
+        terminalreporter.write_line(line)
 
 
 @pytest.fixture

@@ -36,7 +36,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_pled, write_config
+from conftest import SUMMARY, run_pled, write_config
 from pled import client
 from pled.generator import make_sidecar
 
@@ -160,7 +160,7 @@ def podman():
             _run(["podman", "rm", "-f", "-t", "0", *ps], env, check=False)
         _run(["podman", "rmi", "-f", VLLM_IMAGE, VLLM_STANDIN, PLED_IMAGE], env, check=False)
         shutil.rmtree(work, ignore_errors=True)
-        sys.stderr.write("\npodman test times: " + ", ".join(f"{k} {v:.1f} s" for k, v in TIMES.items()) + "\n")
+        SUMMARY.append("podman test times: " + ", ".join(f"{k} {v:.1f} s" for k, v in TIMES.items()))
 
 
 @pytest.fixture
