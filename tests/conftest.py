@@ -1,4 +1,5 @@
 import array
+import grp
 import os
 import signal
 import socket
@@ -136,6 +137,12 @@ def pleds():
     yield started
     for p in started:
         p.stop()
+
+
+def unused_gid(start: int = 4242) -> int:
+    """The first gid from ``start`` on that names no group on this host (for a test's own socket group)."""
+    taken = {g.gr_gid for g in grp.getgrall()}
+    return next(g for g in range(start, start + 100_000) if g not in taken)
 
 
 def require_fuse() -> None:

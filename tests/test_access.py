@@ -3,7 +3,6 @@
 pled.service's User=pled/Group=pled with vLLM's SupplementaryGroups=pled.
 """
 import encodings.ascii  # noqa: F401  the children cannot import it: Python's stdlib may sit under root's 0700 home
-import grp
 import hashlib
 import os
 import signal
@@ -14,22 +13,12 @@ import time
 import pytest
 import torch
 
-from conftest import write_config
+from conftest import unused_gid, write_config
 from forked import as_user
 from pled import client
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run pled and clients as other ids")
 ROWS = torch.arange(0, 8000, 13)
-
-
-def free_gid(start: int) -> int:
-    gid = start
-    while True:
-        try:
-            grp.getgrgid(gid)
-        except KeyError:
-            return gid
-        gid += 1
 
 
 def gather_digest(sock: str) -> str:
@@ -79,7 +68,7 @@ def start(tmp_path, sidecar, open_dir, gid: int, name: str, **keys) -> tuple[Gro
 
 
 def test_members_of_pleds_group_attach_and_others_are_refused(sidecar, tmp_path, open_dir):
-    g = free_gid(61000)
+    g = unused_gid(61000)
     pled, sock = start(tmp_path, sidecar, open_dir, g, "run")
     try:
         # The file system's part: socket 0660 and its directory 0750, both group G, as pled made them.
@@ -104,8 +93,8 @@ def test_members_of_pleds_group_attach_and_others_are_refused(sidecar, tmp_path,
 
 
 def test_allow_groups_widens_pleds_group(sidecar, tmp_path, open_dir):
-    g = free_gid(61000)
-    other = free_gid(g + 1)
+    g = unused_gid(61000)
+    other = unused_gid(g + 1)
     pled, sock = start(tmp_path, sidecar, open_dir, g, "wide", allow_groups=[other])
     try:
         open_up(sock)  # so that the file system lets group `other` in and pled decides

@@ -201,13 +201,14 @@ def test_exceptions_thrown_into_handlers_never_stop_the_daemon(tmp_path, sidecar
 def test_a_group_member_holding_attached_connections_cannot_lock_out_root_or_others(tmp_path, sidecar, open_dir, pleds):
     """A member of pled's group opens connections, attaches on each and keeps them (an attached connection is never
     idle, so none makes room): it gets at most its uid's share, and root's Status still goes through."""
-    import grp
     import signal as signal_mod
+
+    from conftest import unused_gid
 
     from pled import client
     from pled.daemon import fdlimit
 
-    gid = next(g for g in range(4000, 5000) if g not in {e.gr_gid for e in grp.getgrall()})
+    gid = unused_gid()
     d = sidecar(shards=2, rows=64)
     sock_path = os.path.join(open_dir, "pled.sock")
     pled = start(tmp_path, {"t1": d}, socket=sock_path, nofile=200, prefix=["setpriv", f"--regid={gid}", "--clear-groups"])

@@ -13,7 +13,6 @@ process that reads it. pled, on the host, sees the container's root as host uid 
 PID 1 as a host pid, and logs and lists those; the container sees pled as uid 65534 (unmapped)
 and pid 0 (not in its PID namespace).
 """
-import grp
 import hashlib
 import json
 import os
@@ -24,21 +23,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_pled
+from conftest import run_pled, unused_gid
 from pled import client
 
 ALLOWED, REFUSED = 100_000, 200_000  # the host uids of two containers' root
 ROWS = [0, 1, 999, 2500, 3999]
 NSCONTAINER = Path(__file__).with_name("nscontainer.py")
-
-
-def _unused_gid() -> int:
-    for gid in range(4242, 5000):
-        try:
-            grp.getgrgid(gid)
-        except KeyError:
-            return gid
-    raise RuntimeError("no unused gid in 4242..4999")
 
 
 class Container:
@@ -92,7 +82,7 @@ def containers():
 def test_a_client_in_a_container_attaches_through_a_read_only_socket_mount(sidecar, daemon, containers, tmp_path):
     if os.geteuid() != 0:
         pytest.skip("making a user namespace with another uid's mapping needs root (newuidmap's job elsewhere)")
-    group = _unused_gid()
+    group = unused_gid()
     run = tmp_path / "run"
     run.mkdir(mode=0o750)
     os.chown(run, -1, group)  # as pled.service's RuntimeDirectory: 0750, the socket's group

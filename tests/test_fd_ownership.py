@@ -11,7 +11,6 @@ know to write through whatever it received.
 """
 import encodings.ascii  # noqa: F401  the forked non-root child cannot import it (the stdlib may sit under a 0700 home)
 import fcntl
-import grp
 import json
 import mmap
 import os
@@ -24,7 +23,7 @@ import time
 import pytest
 
 from attack import PING_REPLY, assert_serving, ping_capacity, read_all, start, stuck_call
-from conftest import write_config
+from conftest import unused_gid, write_config
 from forked import as_user
 from pled import client
 from pled.shared import protocol, region
@@ -224,7 +223,7 @@ def test_a_member_of_pleds_group_gets_no_writable_fd_by_any_sequence(tmp_path, s
     reading pled's own /proc fds. Every fd received is checked with writable_ways()."""
     from pathlib import Path
 
-    gid = next(g for g in range(4000, 5000) if not _gid_exists(g))
+    gid = unused_gid()
     d1 = sidecar(shards=2, rows=64)
     sock_path = os.path.join(open_dir, "pled.sock")
     pled = start(tmp_path, {"t1": d1}, socket=sock_path, prefix=["setpriv", f"--regid={gid}", "--clear-groups"])
@@ -275,11 +274,3 @@ def test_a_member_of_pleds_group_gets_no_writable_fd_by_any_sequence(tmp_path, s
     assert said.endswith("writable: []") and "0 opened from pled's /proc" in said, said
     assert int(said.split()[0]) >= 6, said
     assert_serving(pled, "t1", Path(d1))
-
-
-def _gid_exists(gid: int) -> bool:
-    try:
-        grp.getgrgid(gid)
-        return True
-    except KeyError:
-        return False

@@ -19,7 +19,6 @@ root, podman, runc and debootstrap; skips without them, naming what is missing.
 """
 from __future__ import annotations
 
-import grp
 import hashlib
 import json
 import os
@@ -36,7 +35,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SUMMARY, run_pled, write_config
+from conftest import SUMMARY, run_pled, unused_gid, write_config
 from pled import client
 from pled.generator import make_sidecar
 
@@ -164,21 +163,9 @@ def podman():
 
 
 @pytest.fixture
-def shared_dir():
-    """A directory under /tmp that containers and any uid may reach, removed afterwards."""
-    d = Path(tempfile.mkdtemp(prefix="pled-podman-", dir="/tmp"))
-    os.chmod(d, 0o755)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-def _unused_gid() -> int:
-    for gid in range(4242, 5000):
-        try:
-            grp.getgrgid(gid)
-        except KeyError:
-            return gid
-    raise RuntimeError("no unused gid in 4242..4999")
+def shared_dir(open_dir):
+    """conftest's open_dir as a Path: a directory under /tmp that containers and any uid may reach."""
+    return Path(open_dir)
 
 
 def _digest(table) -> str:
@@ -209,7 +196,7 @@ def test_pled_in_a_container_serves_a_host_client(podman, shared_dir):
     run.mkdir(mode=0o755)
     write_config(shared_dir / "etc" / "pled.toml", {"t": shared_dir / "ples_int4"}, socket="/run/pled/pled.sock",
                  headroom_margin=0)
-    group = _unused_gid()
+    group = unused_gid()
     name = f"{TAG}-pled"
     models = shared_dir / "ples_int4"  # mounted at the same path: pled's config names it
     mounts = ["-v", f"{shared_dir / 'etc'}:/etc/pled:ro", "-v", f"{models}:{models}:ro"]
@@ -294,7 +281,7 @@ def test_pled_on_the_host_serves_a_client_in_the_vllm_image(podman, daemon, shar
     env = podman
     make_sidecar(str(shared_dir / "ples_int4"), "ples_int4", shards=2, rows=100)
     shard = shared_dir / "ples_int4" / "shard_1.safetensors"
-    group = _unused_gid()
+    group = unused_gid()
     run = shared_dir / "run"
     run.mkdir(mode=0o750)
     os.chown(run, -1, group)  # as pled.service's RuntimeDirectory: 0750 in the socket's group
