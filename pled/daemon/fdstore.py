@@ -132,10 +132,9 @@ def adopt_stored(stored: list[StoredFd], planned: dict[str, Manifest], store: Fd
             drop(item, f"table {table} is no longer in the config")
             continue
         try:
-            manifest = region.read_manifest(item.fd)
-            if not region.is_sealed(item.fd):
-                raise RegionError("its seals are missing")
-        except (RegionError, OSError, ValueError, TypeError, KeyError) as err:
+            region.check_sealed_memfd(item.fd)  # first, as a client does: once sealed, what is read cannot change
+            manifest = region.read_manifest(item.fd)  # bounded and checked: every fault in it is a RegionError
+        except (RegionError, OSError) as err:
             drop(item, f"not a usable region ({err})")
             continue
         if manifest.table != table:
