@@ -30,16 +30,20 @@ def three_tables(sidecar, tmp_path, **keys):
     return tables, write_config(tmp_path / "pled.toml", tables, headroom_margin=0, **keys)
 
 
-def test_fdstore_from_systemd_is_the_limit(sidecar, tmp_path, notify_socket):
-    _, cfg = three_tables(sidecar, tmp_path)
-    log = tmp_path / "pled.log"
-    proc = serve(cfg, {"NOTIFY_SOCKET": notify_socket.path, "FDSTORE": "2"}, log=log)
+def serve_until_ready(cfg, notify_socket, log, **env) -> str:
+    """pled serve under a notify socket (and ``env``) until READY=1, then stopped cleanly: its log."""
+    proc = serve(cfg, {"NOTIFY_SOCKET": notify_socket.path, **env}, log=log)
     try:
         notify_socket.wait_for("READY=1")
     finally:
         assert stop(proc) == 0
+    return log.read_text()
+
+
+def test_fdstore_from_systemd_is_the_limit(sidecar, tmp_path, notify_socket):
+    _, cfg = three_tables(sidecar, tmp_path)
+    text = serve_until_ready(cfg, notify_socket, tmp_path / "pled.log", FDSTORE="2")
     assert stored_and_removed(notify_socket) == [("store", "pled.1.t0"), ("store", "pled.1.t1")]
-    text = log.read_text()
     assert "up to 2 table(s) (FDSTORE from systemd)" in text
     assert "3 table(s) but systemd's fd store holds 2 (FDSTORE from systemd): t2 will not be stored" in text
     assert "table t2 generation 1 (" in text and "not handed to systemd's fd store: it holds 2 of 2" in text
@@ -47,14 +51,8 @@ def test_fdstore_from_systemd_is_the_limit(sidecar, tmp_path, notify_socket):
 
 def test_without_fdstore_the_config_says_and_the_log_says_which_it_assumed(sidecar, tmp_path, notify_socket):
     _, cfg = three_tables(sidecar, tmp_path, fdstore_max=1)
-    log = tmp_path / "pled.log"
-    proc = serve(cfg, {"NOTIFY_SOCKET": notify_socket.path}, log=log)
-    try:
-        notify_socket.wait_for("READY=1")
-    finally:
-        assert stop(proc) == 0
+    text = serve_until_ready(cfg, notify_socket, tmp_path / "pled.log")
     assert stored_and_removed(notify_socket) == [("store", "pled.1.t0")]
-    text = log.read_text()
     assert "up to 1 table(s) (fdstore_max in the config; systemd before 254 does not pass FDSTORE)" in text
     assert "t1, t2 will not be stored" in text
 
