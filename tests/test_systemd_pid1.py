@@ -290,21 +290,50 @@ def _remove_cgroups(root: Path) -> None:
     root.rmdir()
 
 
+class Fence:
+    """What one PID 1 test runs in: root, systemd, unshare and nsenter (else a skip), a cgroup of its own, its
+    directory; ``start()`` boots systemd there. Afterwards systemd is ended, the cgroups removed, and the host's
+    /tmp (a sentinel file) and settings (``snapshot``) are checked unchanged."""
+
+    def __init__(self, tmp_path: Path, name: str):
+        if os.geteuid() != 0 or not Path(SYSTEMD).exists() or not shutil.which("unshare") or not shutil.which("nsenter"):
+            pytest.skip("needs root, systemd, unshare and nsenter")
+        if not (CGROUP_V1 / "cgroup.procs").exists():
+            pytest.skip("this recipe needs the cgroup v1 name=systemd hierarchy (a cgroup v2 host needs a delegated "
+                        "subtree)")
+        self.sentinel, self.secret = Path(f"/tmp/pled-sentinel-{uuid.uuid4().hex}"), uuid.uuid4().hex
+        self.sentinel.write_text(self.secret)
+        self.before = snapshot()
+        self.cgroup = CGROUP_V1 / f"pled-pid1-{name}-{os.getpid()}"
+        self.cgroup.mkdir()
+        self.testdir = tmp_path / "t"
+        self.testdir.mkdir()
+        self.testdir.chmod(0o755)
+        self.pid1: Pid1 | None = None
+
+    def start(self) -> "Pid1":
+        self.pid1 = Pid1(self.testdir, self.cgroup)
+        return self.pid1
+
+    def close(self) -> None:
+        if self.pid1 is not None:
+            self.pid1.stop()
+        _remove_cgroups(self.cgroup)
+        assert self.sentinel.read_text() == self.secret, "the host's /tmp was touched"
+        self.sentinel.unlink()
+        assert snapshot() == self.before, "a host setting changed"
+
+
+@pytest.fixture
+def fence(tmp_path, request):
+    f = Fence(tmp_path, request.node.name.split("[")[0].removeprefix("test_")[:24])
+    yield f
+    f.close()
+
+
 @pytest.mark.parametrize("private_users", [False, True], ids=["shipped", "private-users"])
-def test_pled_service_under_systemd_pid1(tmp_path, private_users):
-    if os.geteuid() != 0 or not Path(SYSTEMD).exists() or not shutil.which("unshare") or not shutil.which("nsenter"):
-        pytest.skip("needs root, systemd, unshare and nsenter")
-    if not (CGROUP_V1 / "cgroup.procs").exists():
-        pytest.skip("this recipe needs the cgroup v1 name=systemd hierarchy (a cgroup v2 host needs a delegated subtree)")
-    sentinel = Path(f"/tmp/pled-sentinel-{uuid.uuid4().hex}")
-    secret = uuid.uuid4().hex
-    sentinel.write_text(secret)
-    before = snapshot()
-    cgroup = CGROUP_V1 / f"pled-pid1-test-{os.getpid()}"
-    cgroup.mkdir()
-    testdir = tmp_path / "t"
-    testdir.mkdir()
-    testdir.chmod(0o755)
+def test_pled_service_under_systemd_pid1(fence, private_users):
+    testdir = fence.testdir
     make_sidecar(str(testdir / "sc"), "ples_int4", shards=4, rows=20_000)
     for f in (testdir / "sc").iterdir():
         f.chmod(0o640)
@@ -312,82 +341,64 @@ def test_pled_service_under_systemd_pid1(tmp_path, private_users):
     (testdir / "pled.toml").write_text('socket = "/run/pled/pled.sock"\nheadroom_margin = 0\n'
                                        '[[table]]\nname = "ples_int4"\npath = "/mnt/t/sc"\n')
     write_test_units(testdir / "units", "/mnt/t", private_users)
-    pid1 = None
-    try:
-        pid1 = Pid1(testdir, cgroup)
-        vllm = pid1.wait_active(unit="vllm.service")
-        first = pid1.wait_active()  # pulled in by the drop-in's Wants=
-        assert first["SubState"] == "running"
-        assert first["StatusText"].startswith("serving 1 table(s)") and "100% resident" in first["StatusText"]
-        assert first["NFileDescriptorStore"] == "1"
-        # After=: vLLM started only once pled was ready (Type=notify).
-        pled_ready = int(pid1.show("ActiveEnterTimestampMonotonic")["ActiveEnterTimestampMonotonic"])
-        vllm_started = int(pid1.show("ExecMainStartTimestampMonotonic", unit="vllm.service")["ExecMainStartTimestampMonotonic"])
-        assert 0 < pled_ready <= vllm_started
-        attached = wait_line(testdir / "vllm.log", "attached ")
-        assert attached.split()[1] == "/run/pled/pled.sock"
-        digest = attached.split()[2]
+    pid1 = fence.start()
+    vllm = pid1.wait_active(unit="vllm.service")
+    first = pid1.wait_active()  # pulled in by the drop-in's Wants=
+    assert first["SubState"] == "running"
+    assert first["StatusText"].startswith("serving 1 table(s)") and "100% resident" in first["StatusText"]
+    assert first["NFileDescriptorStore"] == "1"
+    # After=: vLLM started only once pled was ready (Type=notify).
+    pled_ready = int(pid1.show("ActiveEnterTimestampMonotonic")["ActiveEnterTimestampMonotonic"])
+    vllm_started = int(pid1.show("ExecMainStartTimestampMonotonic", unit="vllm.service")["ExecMainStartTimestampMonotonic"])
+    assert 0 < pled_ready <= vllm_started
+    attached = wait_line(testdir / "vllm.log", "attached ")
+    assert attached.split()[1] == "/run/pled/pled.sock"
+    digest = attached.split()[2]
 
-        # The sandbox is in force in the running process, and pled still serves.
-        ids = {f[0]: f[2] for f in (line.split(":") for line in pid1.inside("getent", "passwd", "pled", "vllm-test").splitlines())}
-        status = proc_status(pid1, first["MainPID"])
-        assert status["Uid"].split()[:2] == [ids["pled"]] * 2 and status["Umask"] == "0077"
-        assert status["NoNewPrivs"] == "1" and status["Seccomp"] == "2" and int(status["CapBnd"], 16) == 0
-        assert pid1.inside("cat", "/run/pled-prestart-uid").strip() == "0"  # ExecStartPre=+ kept its privilege
-        sock = pid1.inside("stat", "-c", "%A %U %G", "/run/pled/pled.sock", "/run/pled").split("\n")
-        assert sock[:2] == ["srw-rw---- pled pled", "drwxr-x--- pled pled"]
-        log = (testdir / "pled.log").read_text()
-        # ProtectProc=invisible: pled cannot see vLLM's process; the kernel's credentials still admit it. In a
-        # user namespace of its own (PrivateUsers=yes) vLLM's uid shows as 65534, and group pled still admits it.
-        assert f"uid {65534 if private_users else ids['vllm-test']} (?)" in log and "refused" not in log
-        uid_map = pid1.inside("cat", f"/proc/{first['MainPID']}/uid_map").split()
-        assert (uid_map == ["0", "0", "1", ids["pled"], ids["pled"], "1"]) if private_users else uid_map[2] == "4294967295"
+    # The sandbox is in force in the running process, and pled still serves.
+    ids = {f[0]: f[2] for f in (line.split(":") for line in pid1.inside("getent", "passwd", "pled", "vllm-test").splitlines())}
+    status = proc_status(pid1, first["MainPID"])
+    assert status["Uid"].split()[:2] == [ids["pled"]] * 2 and status["Umask"] == "0077"
+    assert status["NoNewPrivs"] == "1" and status["Seccomp"] == "2" and int(status["CapBnd"], 16) == 0
+    assert pid1.inside("cat", "/run/pled-prestart-uid").strip() == "0"  # ExecStartPre=+ kept its privilege
+    sock = pid1.inside("stat", "-c", "%A %U %G", "/run/pled/pled.sock", "/run/pled").split("\n")
+    assert sock[:2] == ["srw-rw---- pled pled", "drwxr-x--- pled pled"]
+    log = (testdir / "pled.log").read_text()
+    # ProtectProc=invisible: pled cannot see vLLM's process; the kernel's credentials still admit it. In a
+    # user namespace of its own (PrivateUsers=yes) vLLM's uid shows as 65534, and group pled still admits it.
+    assert f"uid {65534 if private_users else ids['vllm-test']} (?)" in log and "refused" not in log
+    uid_map = pid1.inside("cat", f"/proc/{first['MainPID']}/uid_map").split()
+    assert (uid_map == ["0", "0", "1", ids["pled"], ids["pled"], "1"]) if private_users else uid_map[2] == "4294967295"
 
-        pid1.systemctl("restart", "pled.service")
-        second = pid1.wait_active(since_pid=first["MainPID"])
-        assert second["MainPID"] != first["MainPID"]
-        assert second["NFileDescriptorStore"] == "1"  # adopted, not stored twice
-        assert second["StatusText"].startswith("serving 1 table(s)")
-        log = (testdir / "pled.log").read_text()
-        assert log.count("table ples_int4 adopted from systemd's fd store: generation 1") == 1
-        assert "(1 adopted, 0.0 KiB copied)" in log
-        assert log.count("shard 4/4") == 1  # staged once, by the first start only
-        # Wants=, not Requires=: vLLM was not restarted, and its mapping still reads the same bytes.
-        assert pid1.show("ActiveState", "MainPID", unit="vllm.service") == {"ActiveState": "active", "MainPID": vllm["MainPID"]}
-        assert next_check(testdir / "vllm.log") == digest
+    pid1.systemctl("restart", "pled.service")
+    second = pid1.wait_active(since_pid=first["MainPID"])
+    assert second["MainPID"] != first["MainPID"]
+    assert second["NFileDescriptorStore"] == "1"  # adopted, not stored twice
+    assert second["StatusText"].startswith("serving 1 table(s)")
+    log = (testdir / "pled.log").read_text()
+    assert log.count("table ples_int4 adopted from systemd's fd store: generation 1") == 1
+    assert "(1 adopted, 0.0 KiB copied)" in log
+    assert log.count("shard 4/4") == 1  # staged once, by the first start only
+    # Wants=, not Requires=: vLLM was not restarted, and its mapping still reads the same bytes.
+    assert pid1.show("ActiveState", "MainPID", unit="vllm.service") == {"ActiveState": "active", "MainPID": vllm["MainPID"]}
+    assert next_check(testdir / "vllm.log") == digest
 
-        pid1.systemctl("reload", "pled.service")  # ExecReload=pled reload: nothing changed, nothing restaged
-        third = pid1.show("ActiveState", "MainPID", "NFileDescriptorStore")
-        assert third == {"ActiveState": "active", "MainPID": second["MainPID"], "NFileDescriptorStore": "1"}
-        assert "reload done" in (testdir / "pled.log").read_text()
+    pid1.systemctl("reload", "pled.service")  # ExecReload=pled reload: nothing changed, nothing restaged
+    third = pid1.show("ActiveState", "MainPID", "NFileDescriptorStore")
+    assert third == {"ActiveState": "active", "MainPID": second["MainPID"], "NFileDescriptorStore": "1"}
+    assert "reload done" in (testdir / "pled.log").read_text()
 
-        pid1.systemctl("stop", "pled.service")
-        assert pid1.show("ActiveState")["ActiveState"] == "inactive"
-        assert pid1.show("ActiveState", "MainPID", unit="vllm.service") == {"ActiveState": "active", "MainPID": vllm["MainPID"]}
-        assert next_check(testdir / "vllm.log") == digest
-    finally:
-        if pid1 is not None:
-            pid1.stop()
-        _remove_cgroups(cgroup)
-        assert sentinel.read_text() == secret, "the host's /tmp was touched"
-        sentinel.unlink()
-        assert snapshot() == before, "a host setting changed"
+    pid1.systemctl("stop", "pled.service")
+    assert pid1.show("ActiveState")["ActiveState"] == "inactive"
+    assert pid1.show("ActiveState", "MainPID", unit="vllm.service") == {"ActiveState": "active", "MainPID": vllm["MainPID"]}
+    assert next_check(testdir / "vllm.log") == digest
 
 
-def test_a_small_fd_store_under_systemd_pid1(tmp_path):
+def test_a_small_fd_store_under_systemd_pid1(fence):
     """FileDescriptorStoreMax=1 and two tables. systemd 252 passes no $FDSTORE: with fdstore_max left at 2 pled
     sends both, and systemd keeps one and closes the other (what a full store does); the restart adopts one and
     copies the other again. With fdstore_max = 1, as the config says to set it, pled names the table left out."""
-    if os.geteuid() != 0 or not Path(SYSTEMD).exists() or not shutil.which("unshare") or not shutil.which("nsenter"):
-        pytest.skip("needs root, systemd, unshare and nsenter")
-    if not (CGROUP_V1 / "cgroup.procs").exists():
-        pytest.skip("this recipe needs the cgroup v1 name=systemd hierarchy")
-    before = snapshot()
-    cgroup = CGROUP_V1 / f"pled-pid1-store-{os.getpid()}"
-    cgroup.mkdir()
-    testdir = tmp_path / "t"
-    testdir.mkdir()
-    testdir.chmod(0o755)
+    testdir = fence.testdir
     sc = testdir / "sc"
     sc.mkdir()
     for name in ("ples_int4", "t2"):
@@ -402,30 +413,23 @@ def test_a_small_fd_store_under_systemd_pid1(tmp_path):
     write_test_units(testdir / "units", "/mnt/t")
     (testdir / "units" / "pled.service.d").mkdir()
     (testdir / "units" / "pled.service.d" / "store.conf").write_text("[Service]\nFileDescriptorStoreMax=1\n")
-    pid1 = None
-    try:
-        pid1 = Pid1(testdir, cgroup)
-        first = pid1.wait_active()
-        log = (testdir / "pled.log").read_text()
-        assert "up to 2 table(s) (fdstore_max in the config; systemd before 254 does not pass FDSTORE)" in log
-        assert log.count("handed to systemd's fd store") == 2  # pled believed the config
-        assert first["NFileDescriptorStore"] == "1"  # systemd kept one and closed the other
+    pid1 = fence.start()
+    first = pid1.wait_active()
+    log = (testdir / "pled.log").read_text()
+    assert "up to 2 table(s) (fdstore_max in the config; systemd before 254 does not pass FDSTORE)" in log
+    assert log.count("handed to systemd's fd store") == 2  # pled believed the config
+    assert first["NFileDescriptorStore"] == "1"  # systemd kept one and closed the other
 
-        pid1.systemctl("restart", "pled.service")
-        second = pid1.wait_active(since_pid=first["MainPID"])
-        log = (testdir / "pled.log").read_text()
-        assert log.count("adopted from systemd's fd store") == 1 and log.count("shard 2/2") == 3  # one copied again
-        assert second["NFileDescriptorStore"] == "1"
+    pid1.systemctl("restart", "pled.service")
+    second = pid1.wait_active(since_pid=first["MainPID"])
+    log = (testdir / "pled.log").read_text()
+    assert log.count("adopted from systemd's fd store") == 1 and log.count("shard 2/2") == 3  # one copied again
+    assert second["NFileDescriptorStore"] == "1"
 
-        config(1)  # as the unit says
-        pid1.systemctl("restart", "pled.service")
-        third = pid1.wait_active(since_pid=second["MainPID"])
-        log = (testdir / "pled.log").read_text()
-        assert "up to 1 table(s) (fdstore_max in the config" in log
-        assert re.search(r"2 table\(s\) but systemd's fd store holds 1 .*: (ples_int4|t2) will not be stored", log), log[-3000:]
-        assert third["NFileDescriptorStore"] == "1"
-    finally:
-        if pid1 is not None:
-            pid1.stop()
-        _remove_cgroups(cgroup)
-        assert snapshot() == before, "a host setting changed"
+    config(1)  # as the unit says
+    pid1.systemctl("restart", "pled.service")
+    third = pid1.wait_active(since_pid=second["MainPID"])
+    log = (testdir / "pled.log").read_text()
+    assert "up to 1 table(s) (fdstore_max in the config" in log
+    assert re.search(r"2 table\(s\) but systemd's fd store holds 1 .*: (ples_int4|t2) will not be stored", log), log[-3000:]
+    assert third["NFileDescriptorStore"] == "1"
