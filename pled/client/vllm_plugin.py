@@ -61,34 +61,39 @@ def _fits(module, target) -> str | None:
 
 
 def _wrap_iterator(original, module):
+    """vLLM's iterator, called once per call with every file pled does not hold and every argument it was
+    given (its prefetch shards by rank over that whole list, sizes it against RAM, draws one progress bar);
+    the files pled holds are yielded from the region, in vLLM's order, after the original's."""
     import inspect
 
     from pled.client import held_files
 
     signature = inspect.signature(original)
-    has_experts = "local_expert_ids" in signature.parameters
 
     def safetensors_weights_iterator(hf_weights_files, use_tqdm_on_load, *args, **kwargs):
         st = held_files.state()
-        if st is None:
+        try:
+            bound = signature.bind(hf_weights_files, use_tqdm_on_load, *args, **kwargs)
+        except TypeError:
+            bound = None  # arguments vLLM's own iterator refuses: let it refuse them, with its own error
+        if st is None or bound is None or bound.arguments.get("safetensors_load_strategy") == "torchao":
+            # torchao rebuilds tensors across files from state it carries: every file goes through the original,
+            # which opens them with safe_open, where the files pled holds are still served from memory.
             yield from original(hf_weights_files, use_tqdm_on_load, *args, **kwargs)
             return
-        experts = None
-        if has_experts:
-            bound = signature.bind(hf_weights_files, use_tqdm_on_load, *args, **kwargs)
-            experts = bound.arguments.get("local_expert_ids")
-        held_any = False
-        for path in sorted(hf_weights_files, key=module._natural_sort_key):
-            held = st.lookup(path)
-            if held is None:  # not pled's: vLLM reads it, with every argument it was given
-                yield from original([path], use_tqdm_on_load, *args, **kwargs)
-                continue
-            held_any = True
-            st.count(held, ITERATOR)
-            for name, tensor in held.table.shard_tensors(held.shard.index).items():
+        files = list(hf_weights_files)
+        held = {path: st.lookup(path) for path in files}
+        others = [path for path in files if held[path] is None]
+        yield from original(others, use_tqdm_on_load, *args, **kwargs)
+        experts = bound.arguments.get("local_expert_ids")
+        served = sorted((path for path in files if held[path] is not None), key=module._natural_sort_key)
+        for path in served:
+            h = held[path]
+            st.count(h, ITERATOR)
+            for name, tensor in h.table.shard_tensors(h.shard.index).items():
                 if not module.should_skip_weight(name, experts):
                     yield name, tensor
-        if held_any:
+        if served:
             st.report(ITERATOR)
 
     safetensors_weights_iterator.__wrapped__ = original
