@@ -161,13 +161,28 @@ def _demo(args) -> int:
 
 
 def _make_sidecar(args) -> int:
+    from pled.daemon.sidecar_meta import META_LAYOUT, PUBLISHED_LAYOUT
     from pled.generator import make_sidecar
+    from pled.shared.layouts import PUBLISHED_ROWS_PER_SHARD, PUBLISHED_WIDTH
 
+    rows, width = args.rows, args.width
+    if args.published_shape:
+        if rows not in (None, PUBLISHED_ROWS_PER_SHARD) or width not in (None, PUBLISHED_WIDTH):
+            say(f"pled make-sidecar: --published-shape writes {PUBLISHED_ROWS_PER_SHARD:,} rows per shard of width "
+                f"{PUBLISHED_WIDTH}; drop --rows and --width, or drop --published-shape", file=sys.stderr)
+            return EX_USAGE
+        rows, width = PUBLISHED_ROWS_PER_SHARD, PUBLISHED_WIDTH
+    rows = 1024 if rows is None else rows
+    width = PUBLISHED_WIDTH if width is None else width
     try:
-        paths = make_sidecar(args.dir, args.layout, shards=args.shards, rows=args.rows, width=args.width, seed=args.seed)
+        paths = make_sidecar(args.dir, args.layout, shards=args.shards, rows=rows, width=width, seed=args.seed)
     except ValueError as err:
         say(f"pled make-sidecar: {err}", file=sys.stderr)
         return EX_USAGE
+    shape = "published" if (rows, width) == (PUBLISHED_ROWS_PER_SHARD, PUBLISHED_WIDTH) else "synthetic"
+    whose = "" if args.layout in PUBLISHED_LAYOUT else " (pled's own: the published fp8 string is not known)"
+    say(f"{shape} shape: {len(paths)} shards x {rows:,} rows, width {width}, layout string "
+        f"'{META_LAYOUT[args.layout]}'{whose}")
     say(f"wrote {len(paths)} shards and META.json to {args.dir}")
     return 0
 
@@ -223,8 +238,10 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("dir")
     s.add_argument("--layout", default="ples_int4", choices=layouts)
     s.add_argument("--shards", type=int, default=4)
-    s.add_argument("--rows", type=int, default=1024)
-    s.add_argument("--width", type=int, default=160)
+    s.add_argument("--rows", type=int, help="rows per shard (default 1024)")
+    s.add_argument("--width", type=int, help="row width in columns (default 160)")
+    s.add_argument("--published-shape", action="store_true",
+                   help="the published sidecars' shape: 2,500,012 rows per shard, width 160 (an int4 shard is ~250 MB)")
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(func=_make_sidecar)
     return p

@@ -1,20 +1,26 @@
 """A synthetic sidecar in the exact shipped format, deterministic from a seed, with a META.json in the
-published form.
+published form (fp8's layout string is pled's own: the published one is not known; see
+pled.daemon.sidecar_meta).
 
 Values are real quantized data: every code dequantizes to a finite number
 (fp8 codes skip the NaN patterns, scales are positive), so tests and benchmarks
 can check rows end to end against pled.shared.dequant.
+
+Each shard's tensors are written in the layout's order with no padding between them, as the safetensors
+format allows: a tensor starts at a multiple of its dtype's size only when the ones before it end there
+(nvfp4's float32 ``weight_scale_2`` does not when the shard's rows are not a multiple of 4).
 """
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 
 import numpy as np
 
 from pled.shared import layouts
 from pled.daemon.safetensors_file import write
-from pled.daemon.sidecar_meta import PUBLISHED_LAYOUT
+from pled.daemon.sidecar_meta import META_LAYOUT
 
 
 def _fp8_codes(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
@@ -47,24 +53,37 @@ def shard_tensors(layout: str, rows: int, width: int, rng: np.random.Generator) 
     raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(layouts.LAYOUTS)}")
 
 
-def make_sidecar(directory: str, layout: str = "ples_int4", shards: int = 4, rows: int = 1024, width: int = 160, seed: int = 0) -> list[str]:
-    """Write ``shard_0..shard_{N-1}.safetensors`` and META.json; return the shard paths."""
+def make_sidecar(directory: str, layout: str = "ples_int4", shards: int | None = None, rows: int | Sequence[int] = 1024,
+                 width: int = 160, seed: int = 0) -> list[str]:
+    """Write ``shard_0..shard_{N-1}.safetensors`` and META.json; return the shard paths.
+
+    ``rows``: every shard's rows (``shards`` of them, 4 when not given), or a list of each shard's rows for
+    uneven shards (``shards``, if given, must be its length). Shard i's values depend on ``seed`` and i alone,
+    so a shard with the same rows is the same file whatever the other shards are."""
     if layout not in layouts.LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(layouts.LAYOUTS)}")
-    if shards < 1 or rows < 1 or width < 16 or width % 16:
+    if isinstance(rows, (int, np.integer)):
+        per_shard = [int(rows)] * (4 if shards is None else shards)
+    else:
+        per_shard = [int(r) for r in rows]
+        if shards is not None and shards != len(per_shard):
+            raise ValueError(f"rows lists {len(per_shard)} shards' rows but shards = {shards}")
+    if not per_shard or min(per_shard) < 1 or width < 16 or width % 16:
         raise ValueError("need shards >= 1, rows >= 1 and a width that is a positive multiple of 16")
     os.makedirs(directory, exist_ok=True)
     paths, digests = [], {}
-    for i in range(shards):
+    for i, count in enumerate(per_shard):
         rng = np.random.default_rng([seed, i])
         path = os.path.join(directory, f"shard_{i}.safetensors")
         digests[os.path.basename(path)] = write(path, [(n, d, s, a.tobytes() if a.ndim == 0 else memoryview(np.ascontiguousarray(a)).cast("B"))
-                     for n, d, s, a in shard_tensors(layout, rows, width, rng)],
+                     for n, d, s, a in shard_tensors(layout, count, width, rng)],
               metadata={"format": "pt", "layout": layout})
         paths.append(path)
     # The published form (see pled.daemon.sidecar_meta): its layout string, shards, rows in all, width; then ours.
-    meta = {"layout": PUBLISHED_LAYOUT[layout], "shards": shards, "rows": rows * shards, "width": width,
-            "rows_per_shard": rows, "seed": seed, "generator": "pled make-sidecar", "digests": digests}
+    even = len(set(per_shard)) == 1
+    meta = {"layout": META_LAYOUT[layout], "shards": len(per_shard), "rows": sum(per_shard), "width": width,
+            "rows_per_shard": per_shard[0] if even else per_shard, "seed": seed, "generator": "pled make-sidecar",
+            "digests": digests}
     with open(os.path.join(directory, "META.json"), "w", encoding="utf-8") as f:
         json.dump(meta, f, indent=2)
         f.write("\n")

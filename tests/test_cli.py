@@ -13,6 +13,7 @@ def test_make_sidecar_and_inspect(tmp_path):
     d = tmp_path / "sc"
     r = run_pled("make-sidecar", d, "--layout", "ples_fp8", "--shards", 11, "--rows", 50, "--seed", 3)
     assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("synthetic shape: 11 shards x 50 rows, width 160, layout string 'pled_rowwise_e4m3")
     r = run_pled("inspect", d)
     assert r.returncode == 0, r.stderr
     assert "layout     ples_fp8" in r.stdout
@@ -23,6 +24,27 @@ def test_make_sidecar_and_inspect(tmp_path):
     assert f"bytes      {size} " in r.stdout
     j = json.loads(run_pled("inspect", d, "--json").stdout)
     assert (j["layout"], j["shards"], j["rows"], j["bytes"]) == ("ples_fp8", 11, 550, size)
+
+
+def test_make_sidecar_writes_the_published_shape(tmp_path):
+    from pled.daemon.safetensors_file import read_header
+    from pled.shared.layouts import PUBLISHED_ROWS_PER_SHARD, PUBLISHED_WIDTH
+
+    d = tmp_path / "pub"
+    r = run_pled("make-sidecar", d, "--published-shape", "--shards", 1, timeout=120)  # int4: one 250 MB shard
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0] == ("published shape: 1 shards x 2,500,012 rows, width 160, "
+                                        "layout string 'group16_int4_fp16scale_lownibblefirst'")
+    shapes = {t.name: t.shape for t in read_header(str(d / "shard_0.safetensors")).tensors}
+    assert shapes == {"weight_i4": (PUBLISHED_ROWS_PER_SHARD, PUBLISHED_WIDTH // 2),
+                      "weight_scale": (PUBLISHED_ROWS_PER_SHARD, PUBLISHED_WIDTH // 16)}
+    meta = json.loads((d / "META.json").read_text())
+    assert meta["shards"] * 2_500_012 == meta["rows"] and meta["width"] == 160  # the published offload worker's check
+    (d / "shard_0.safetensors").unlink()
+    for extra in (["--rows", 5], ["--width", 128]):
+        r = run_pled("make-sidecar", tmp_path / "no", "--published-shape", *extra)
+        assert r.returncode == 64 and "--published-shape writes 2,500,012 rows per shard of width 160" in r.stderr
+        assert not (tmp_path / "no").exists()
 
 
 def test_generator_is_deterministic(tmp_path):

@@ -6,9 +6,12 @@ import json
 import pytest
 
 from conftest import LAYOUTS, run_pled, write_config
-from pled.daemon.sidecar_meta import PUBLISHED_LAYOUT, layout_family
+from pled.daemon.sidecar import open_table
+from pled.shared.errors import SidecarError
+from pled.daemon.sidecar_meta import META_LAYOUT, PUBLISHED_LAYOUT, layout_family
 
-# The published strings (fp8's exact string is unknown: any with e4m3 and without e2m1 is fp8).
+# The published strings. fp8's exact string is unknown (any with e4m3 and without e2m1 is fp8): its entry here is a
+# stand-in of the published style, not the published string.
 PUBLISHED = {"ples_int4": "group16_int4_fp16scale_lownibblefirst", "ples_nvfp4": "group16_e2m1_e4m3scale_lownibblefirst",
              "ples_fp8": "rowwise_e4m3_fp32scale"}
 
@@ -29,7 +32,44 @@ def test_make_sidecar_writes_the_published_form(tmp_path):
     assert {k: meta[k] for k in ("layout", "shards", "rows", "width")} == {
         "layout": "group16_int4_fp16scale_lownibblefirst", "shards": 3, "rows": 120, "width": 160}
     assert not {"num_shards", "total_rows", "row_width"} & set(meta)
-    assert PUBLISHED_LAYOUT == PUBLISHED
+    assert PUBLISHED_LAYOUT == {k: PUBLISHED[k] for k in ("ples_int4", "ples_nvfp4")}  # the known ones only
+
+
+def test_make_sidecar_marks_its_fp8_layout_string_as_its_own(tmp_path):
+    r = run_pled("make-sidecar", tmp_path / "s", "--layout", "ples_fp8", "--shards", "2", "--rows", "40")
+    assert r.returncode == 0, r.stderr
+    assert "layout string 'pled_rowwise_e4m3_fp32scale' (pled's own: the published fp8 string is not known)" in r.stdout
+    meta = json.loads((tmp_path / "s" / "META.json").read_text())
+    assert meta["layout"] == META_LAYOUT["ples_fp8"] == "pled_rowwise_e4m3_fp32scale"
+    assert "ples_fp8" not in PUBLISHED_LAYOUT and layout_family(meta["layout"]) == "ples_fp8"
+    r = run_pled("inspect", tmp_path / "s")
+    assert r.returncode == 0 and "WARNING" not in r.stderr, r.stderr
+    assert 'layout = "pled_rowwise_e4m3_fp32scale", shards = 2, rows = 80, width = 160' in r.stdout
+
+
+FP8_STRINGS = ["rowwise_e4m3_fp32scale", "E4M3_rowwise", "fp8-e4m3fn", "FP8_E4M3FN", "e4m3",
+               "pled_rowwise_e4m3_fp32scale"]
+
+
+@pytest.mark.parametrize("text", FP8_STRINGS)
+def test_any_string_naming_e4m3_reads_as_fp8(sidecar, caplog, text):
+    assert layout_family(text) == "ples_fp8"
+    d = sidecar("ples_fp8", shards=2, rows=16)
+    edit_meta(d, layout=text)
+    with caplog.at_level("WARNING"):
+        assert open_table(str(d)).layout == "ples_fp8"
+    assert not caplog.records
+    d = sidecar("ples_int4", shards=2, rows=16)  # e4m3 names fp8: an int4 sidecar that says so is refused
+    edit_meta(d, layout=text)
+    with pytest.raises(SidecarError, match=f"says layout = '{text}', which is ples_fp8, but the shards hold ples_int4"):
+        open_table(str(d))
+
+
+@pytest.mark.parametrize("text, family", [("GROUP16_E2M1_E4M3SCALE", "ples_nvfp4"), ("e2m1", "ples_nvfp4"),
+                                          ("Group16_INT4", "ples_int4"), ("ples_fp8", "ples_fp8"), ("fp8", None),
+                                          ("e5m2_rowwise", None)])
+def test_family_words_in_any_case_e2m1_before_e4m3(text, family):
+    assert layout_family(text) == family
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -9,6 +9,11 @@ shard; the same for the scales. No sort, no per-shard loop, no int64 index per e
 rows are then dequantized in one pass: a 256-entry table turns each packed byte into its two
 values, the block scales multiply through a broadcast view (no repeat_interleave).
 
+Nothing assumes a tensor starts at a multiple of its dtype's size: the safetensors format does not
+align tensors (an nvfp4 shard of 3,001 rows puts its float32 ``weight_scale_2`` at data byte 270,090).
+Rows and scales are gathered as bytes into scratch, which is aligned, before any dtype view, and each
+shard's ``weight_scale_2`` is copied out as bytes when the Gatherer is made.
+
 Every buffer lives in a ``Scratch`` kept for the next request, sized for the largest request
 seen: a steady stream of requests allocates nothing but small 0-d tensors, so it takes no page
 faults. ``Gatherer.warm`` pays a process's first gathers before any request: it makes the scratch,
@@ -107,14 +112,14 @@ class Gatherer:
             starts.append(first)
             main_base.append(offsets[index, main] - first * self._row_bytes)
             scale_base.append(offsets[index, scale] - first * self._scale_bytes)
-            if second:
+            if second:  # its 4 bytes: safetensors does not align tensors, so a float32 view could be refused
                 at = offsets[index, second[0]]
-                scale2.append(data[at : at + 4].view(torch.float32))
+                scale2.append(data[at : at + 4])
             first += shard.rows
         self._boundaries = torch.tensor(starts[1:], dtype=torch.int64)  # first row of shards 1..S-1
         self._main_base = torch.tensor(main_base, dtype=torch.int64)  # byte offset of row 0 if the shard began there
         self._scale_base = torch.tensor(scale_base, dtype=torch.int64)
-        self._scale2 = torch.cat(scale2) if second else None
+        self._scale2 = torch.cat(scale2).view(torch.float32) if second else None  # a copy: aligned
         self._main = _windows(data, self._row_bytes)
         self._scales = _windows(data, self._scale_bytes)
         self._pairs = _PAIRS.get(self.layout)

@@ -5,7 +5,9 @@ The published sidecars (``ples_int4``, ``ples_fp8``, ``ples_nvfp4``) write::
     {"layout": "group16_int4_fp16scale_lownibblefirst", "shards": 128, "rows": 320001536, "width": 160, ...}
 
 ``layout`` is a description, not one of pled's names: readers tell the families apart by words, ``e2m1``
-(nvfp4), then ``e4m3`` (fp8), else int4. Here the shards' tensors decide the layout; the string is refused
+(nvfp4), then ``e4m3`` (fp8), else int4; pled also ignores case. Of fp8's published string only its ``e4m3`` is
+known, so any string naming ``e4m3`` (and not ``e2m1``) is fp8: ``rowwise_e4m3_fp32scale``, ``E4M3_rowwise``,
+``fp8-e4m3fn``. Here the shards' tensors decide the layout; the string is refused
 only when its words name a different family than the tensors hold, and a string with none of the words is
 a warning. ``shards``, ``rows`` and ``width`` identify a build and must match the shards. pled's earlier
 keys (``num_shards``, ``total_rows``, ``row_width``, ``layout`` as a pled name) are still accepted. Any
@@ -20,13 +22,16 @@ from pled.shared.errors import SidecarError
 
 log = logging.getLogger(__name__)
 
-# The string each layout's published META.json carries ("fp8" is this project's guess of the exact
-# string: only its e4m3 is known, and that is all a reader looks at).
+# The string each layout's published META.json carries, where it is known.
 PUBLISHED_LAYOUT = {
     "ples_int4": "group16_int4_fp16scale_lownibblefirst",
-    "ples_fp8": "rowwise_e4m3_fp32scale",
     "ples_nvfp4": "group16_e2m1_e4m3scale_lownibblefirst",
 }
+# fp8's published string is not known (only that it names e4m3): `pled make-sidecar` writes a string of pled's
+# own, marked as such, which readers take for fp8 by its e4m3 as they would the published one.
+PLED_FP8_LAYOUT = "pled_rowwise_e4m3_fp32scale"
+# What `pled make-sidecar` writes as META.json's layout, for each layout.
+META_LAYOUT = {**PUBLISHED_LAYOUT, "ples_fp8": PLED_FP8_LAYOUT}
 # Keys that identify a build, published and pled's earlier names, -> what of the shards they state.
 COUNT_KEYS = {"shards": "shards", "rows": "rows", "width": "width",
               "num_shards": "shards", "total_rows": "rows", "row_width": "width"}

@@ -16,6 +16,11 @@ from dataclasses import dataclass
 
 # Any other set of tensors is a plain safetensors table (a checkpoint's own files, say).
 GENERIC = "safetensors"
+# The published sidecars' shape: 128 shards of 2,500,012 rows (320,001,536 in all), width 160. The published
+# offload worker hard-codes the rows per shard and asserts shards * PUBLISHED_ROWS_PER_SHARD == rows.
+PUBLISHED_ROWS_PER_SHARD = 2_500_012
+PUBLISHED_WIDTH = 160
+PUBLISHED_SHARDS = 128
 
 
 @dataclass(frozen=True)
