@@ -407,7 +407,9 @@ def main() -> int:
                                                     a.requests, a.ids)
                     res["table_gather"]["huge pages"] = table_gather.run(huge.socket, "ples_int4", max(5, a.repeats),
                                                                          a.requests, a.ids, settle, log)
-        res["offload_worker"] = offload.bench(work, d, daemon.socket, a.repeats, a.requests, a.ids)
+        # its own published-shape sidecar and pled: the worker refuses the benchmark's table of another shape
+        res["offload_worker"] = offload.bench(work, lambda name, tables: Daemon(work, name, tables), a.repeats, a.requests,
+                                              a.ids)
         for dm in daemons:
             dm.stop()
         res["restart"] = bench_restart(work, d, a.repeats)

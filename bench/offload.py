@@ -1,5 +1,9 @@
 """The PLE offload worker's side (bench/ple_offload_worker.py): a spawned process that reads the sidecar with
-``safe_open`` + ``get_tensor`` and gathers 8,192 random rows per request with torch, just after a restart:
+``safe_open`` + ``get_tensor`` and gathers 8,192 random rows per request with torch, just after a restart.
+
+The worker, like the published one, accepts only the published shape (2,500,012 rows a shard, width 160), so
+this section makes its own int4 sidecar of that shape (2 shards by default, standing in for the published 128:
+the worker is told the model has that many rows) and its own pled serving it:
 
 - pled: the worker finds the table through pled's start-up hook (PLED_SOCKET set), pre-faulted;
 - mmapped sidecar: no PLED_SOCKET; safetensors maps the files, whose page cache a checkpoint load evicted
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -20,6 +25,7 @@ import time
 from pathlib import Path
 
 from bench import report as bench_report
+from bench.ple_offload_worker import MODEL_WIDTH, ROWS_PER_SHARD
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -57,13 +63,15 @@ def hook_venv(work: Path) -> Path:
 def _drop_cache(files: list[str]) -> None:
     for f in files:
         fd = os.open(f, os.O_RDONLY)
+        os.fsync(fd)  # pages still dirty from the writing are not dropped
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(fd)
 
 
-def _worker_run(python: Path, d: Path, env: dict, requests: int, ids: int) -> dict:
+def _worker_run(python: Path, d: Path, model_rows: int, env: dict, requests: int, ids: int) -> dict:
     t0 = time.perf_counter()
-    r = subprocess.run([str(python), str(WORKER), str(d), "--workers", "1", "--requests", str(requests), "--ids", str(ids)],
+    r = subprocess.run([str(python), str(WORKER), str(d), "--model-rows", str(model_rows), "--workers", "1",
+                        "--requests", str(requests), "--ids", str(ids)],
                        capture_output=True, text=True, env=env, cwd="/", timeout=3600)
     wall = time.perf_counter() - t0
     if r.returncode != 0:
@@ -100,29 +108,52 @@ def startup_times(python: Path, runs: int) -> dict:
     return out
 
 
-def bench(work: Path, d: Path, sock: str, repeats: int, requests: int, ids: int) -> dict | None:
-    """The offload worker against pled and against the mmapped sidecar; None where .venv-vllm is missing."""
+def published_sidecar(d: Path, shards: int) -> Path:
+    """An int4 sidecar of the published shape: ``shards`` shards of 2,500,012 rows, width 160 (240 MB a shard)."""
+    from pled.generator import make_sidecar
+
+    make_sidecar(str(d), "ples_int4", shards=shards, rows=ROWS_PER_SHARD, width=MODEL_WIDTH, seed=11)
+    return d
+
+
+def bench(work: Path, start_daemon, repeats: int, requests: int, ids: int, shards: int = 2) -> dict | None:
+    """The offload worker against pled and against the mmapped sidecar, on a published-shape int4 sidecar of
+    ``shards`` shards made here and served by a pled that ``start_daemon(name, tables)`` starts (an object with
+    ``socket``, ``wait_ready()`` and ``stop()``); both are gone afterwards. None where .venv-vllm is missing."""
     if not VLLM_PYTHON.exists():
         _log("offload worker not measured: no .venv-vllm (torch and safetensors come from it; make vllm-env)")
         return None
     python = hook_venv(work)
-    files = sorted(str(p) for p in d.glob("*.safetensors"))
-    cases = {"pled (start-up hook), fresh worker": _env(PLED_SOCKET=sock, OMP_NUM_THREADS="1"),
-             "mmapped sidecar, page cache evicted": _env(OMP_NUM_THREADS="1")}
-    runs: dict[str, list[dict]] = {}
-    for _ in range(repeats):
-        for name, env in cases.items():
-            _drop_cache(files)
-            r = _worker_run(python, d, env, requests, ids)
-            runs.setdefault(name, []).append(r)
-            _log(f"offload worker, {name}: load {r['load_s']:.2f} s, first {r['first']:.0f} rows/s, asymptote "
-                 f"{r['asymptote']:.0f}, {r['requests_to_5pct']} requests to 5% ({r['opened_as']})")
+    d = work / "offload-published"
+    model_rows = shards * ROWS_PER_SHARD
+    _log(f"offload worker: a published-shape ples_int4 sidecar, {shards} shards x {ROWS_PER_SHARD} rows, in {d}")
+    published_sidecar(d, shards)
+    daemon = start_daemon("offload", {"ples_int4": d})
+    try:
+        daemon.wait_ready()
+        files = sorted(str(p) for p in d.glob("*.safetensors"))
+        cases = {"pled (start-up hook), fresh worker": _env(PLED_SOCKET=daemon.socket, OMP_NUM_THREADS="1"),
+                 "mmapped sidecar, page cache evicted": _env(OMP_NUM_THREADS="1")}
+        runs: dict[str, list[dict]] = {}
+        for _ in range(repeats):
+            for name, env in cases.items():
+                _drop_cache(files)
+                r = _worker_run(python, d, model_rows, env, requests, ids)
+                runs.setdefault(name, []).append(r)
+                _log(f"offload worker, {name}: load {r['load_s']:.2f} s, first {r['first']:.0f} rows/s, asymptote "
+                     f"{r['asymptote']:.0f}, {r['requests_to_5pct']} requests to 5% ({r['opened_as']})")
+    finally:
+        daemon.stop()
+        shutil.rmtree(d, ignore_errors=True)
     keys = ("first", "asymptote", "first_over_asymptote", "requests_to_5pct", "load_s")
     med = {name: {k: statistics.median(r[k] for r in rs) for k in keys} for name, rs in runs.items()}
     spread = {name: {k: [min(r[k] for r in rs), max(r[k] for r in rs)] for k in keys} for name, rs in runs.items()}
     for name in med:
         med[name]["spread"] = spread[name]
-    return {"cases": med, "startup_ms": startup_times(python, 10 * repeats), "requests": requests, "ids": ids}
+    # The sidecar's shape under names of its own (the report renders them from here, never as fixed figures).
+    shape = {"n_shards": shards, "rows_per_shard": ROWS_PER_SHARD, "width": MODEL_WIDTH, "model_rows": model_rows}
+    return {"cases": med, "startup_ms": startup_times(python, 10 * repeats), "requests": requests, "ids": ids,
+            "sidecar": shape}
 
 
 @bench_report.section
@@ -141,12 +172,18 @@ def report(res: dict | None) -> list[str]:
     if not res:
         return lines + ["Not measured in this run (it needs .venv-vllm, whose torch and safetensors the worker uses).", ""]
     tok = res["ids"] // 16
+    shape = res.get("sidecar")  # absent in results of runs before the worker took the published shape only
+    table = "" if not shape else (
+        f" The sidecar: ples_int4 of the published shape, {shape['n_shards']} shards of {shape['rows_per_shard']:,} "
+        f"rows, width {shape['width']}, the worker told the model has {shape['model_rows']:,} rows (as the "
+        "published worker, it refuses any other shape).")
     lines += [f"vLLM's PLE offload worker played as the Flash-Next builds run it (`bench/ple_offload_worker.py`): a "
-              "spawned process that never loads vLLM's plugins reads META.json, `safe_open` + `get_tensor` on every "
+              "spawned process that never loads vLLM's plugins reads META.json and checks it against the model, "
+              "`safe_open` (handles kept) + `get_tensor` on every "
               f"shard, then gathers {res['ids']} random rows per request ({tok} tokens of 16 ids) and dequantizes "
               f"them with torch; {res['requests']} requests. pled reaches it only through its start-up hook "
               "(`pled-autoload.pth`, PLED_SOCKET set). The mmapped case's page cache was evicted first, as a "
-              "checkpoint load does. Medians over the repeats, with (min-max).", "",
+              "checkpoint load does. Medians over the repeats, with (min-max)." + table, "",
               "| case | table load in the worker | first request, tok/s | asymptote, tok/s | first / asymptote | "
               "requests to within 5% |", "|---|---|---|---|---|---|"]
     for name, c in res["cases"].items():
@@ -163,33 +200,24 @@ def report(res: dict | None) -> list[str]:
 
 
 def main() -> int:
-    """A small run on its own: python -m bench.offload [--mib 64] [--requests 20]."""
+    """A small run on its own: python -m bench.offload [--shards 2] [--requests 20]."""
     import argparse
-    import shutil
     import tempfile
 
     from bench.__main__ import Daemon
-    from pled.generator import make_sidecar
 
     p = argparse.ArgumentParser(prog="python -m bench.offload")
-    p.add_argument("--mib", type=int, default=64)
+    p.add_argument("--shards", type=int, default=2, help="published-shape int4 shards (2,500,012 rows, 240 MB each)")
     p.add_argument("--requests", type=int, default=20)
     p.add_argument("--ids", type=int, default=8192)
     p.add_argument("--repeats", type=int, default=1)
     a = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="pled-bench-offload-", dir="/var/tmp"))
-    daemon = None
     try:
-        d = work / "ples_int4"
-        make_sidecar(str(d), "ples_int4", shards=8, rows=max(1, a.mib * 1024 * 1024 // 100 // 8))
-        daemon = Daemon(work, "offload", {"ples_int4": d})
-        daemon.wait_ready()
-        res = bench(work, d, daemon.socket, a.repeats, a.requests, a.ids)
+        res = bench(work, lambda name, tables: Daemon(work, name, tables), a.repeats, a.requests, a.ids, a.shards)
         print("\n".join(report(res)))
         return 0
     finally:
-        if daemon:
-            daemon.stop()
         shutil.rmtree(work, ignore_errors=True)
 
 

@@ -1,15 +1,20 @@
 """vLLM's PLE offload worker, played exactly as the Flash-Next builds run it (bench/ple_offload_worker.py):
 a parent with PLED_SOCKET in its environment that imports nothing of pled spawns two workers
 (multiprocessing's spawn: fresh interpreters that never load vLLM's plugins), which read a published-form
-sidecar with ``from safetensors import safe_open``. pled reaches them only through its start-up hook,
+sidecar with ``from safetensors import safe_open``, on sidecars of the published shape (2,500,012 rows a shard,
+width 160; one or two shards stand in for the published 128, the worker told the model's rows accordingly), since
+the worker, like the published one, refuses any other shape. pled reaches them only through its start-up hook,
 ``pled-autoload.pth``, so pled is installed here the way an operator installs it: a wheel built from this
 tree, ``pip install``ed (not editable) into a scratch virtual environment that sees the vLLM environment's
 packages (torch, safetensors) through a path .pth. No PYTHONPATH: the workers import the installed pled.
+
+The published-shape sidecars (about 0.9 GB in all) are made once for the module and deleted at its end.
 
 Skipped, with the reason, where .venv-vllm is missing (make test builds it).
 """
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -17,7 +22,9 @@ import numpy as np
 import pytest
 
 from conftest import LAYOUTS, run_pled
+from pled.generator import make_sidecar
 from pled.shared import dequant
+from pled.shared.layouts import PUBLISHED_ROWS_PER_SHARD, PUBLISHED_WIDTH
 from pled.shared.pagecache import cached_bytes
 from pled.daemon.safetensors_file import read_header
 
@@ -25,8 +32,15 @@ ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 WORKER = ROOT / "bench" / "ple_offload_worker.py"
 MiB = 1024 * 1024
-ROWS, SHARDS = 60_000, 4  # 21-39 MB a table: a private copy of it would show in Shmem
-CHECK = [0, 1, ROWS - 1, ROWS, 2 * ROWS + 12_345, SHARDS * ROWS - 1]
+ROWS = PUBLISHED_ROWS_PER_SHARD  # what the worker hard-codes
+# Shards of the published shape per layout: int4's two (240 MB each) cross a shard boundary; nvfp4 (215 MB) and
+# fp8 (390 MB, the slowest to make) one each. A private copy of any would show in Shmem.
+SHARDS = {"ples_int4": 2, "ples_nvfp4": 1, "ples_fp8": 1}
+
+
+def check_ids(shards: int) -> list[int]:
+    """Global ids at each shard's edges and inside it."""
+    return [s * ROWS + r for s in range(shards) for r in (0, 1, 12_345, ROWS - 1)]
 
 pytestmark = pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm: run `make test` (it builds it) or `make vllm-env`")
 
@@ -67,29 +81,49 @@ def shmem() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("Shmem:"))
 
 
+@pytest.fixture(scope="module")
+def published(tmp_path_factory):
+    """layout -> a sidecar of the published shape (SHARDS[layout] shards of 2,500,012 rows, width 160), made on
+    first use and shared by the module's tests; deleted at the module's end (pytest keeps tmp dirs otherwise)."""
+    root = tmp_path_factory.mktemp("published")
+    made: dict[str, Path] = {}
+
+    def get(layout: str) -> Path:
+        if layout not in made:
+            d = root / layout
+            make_sidecar(str(d), layout, shards=SHARDS[layout], rows=ROWS, width=PUBLISHED_WIDTH, seed=7)
+            made[layout] = d
+        return made[layout]
+
+    yield get
+    shutil.rmtree(root, ignore_errors=True)
+
+
 def drop_cache(files) -> None:
     for f in files:
         fd = os.open(f, os.O_RDONLY)
+        os.fsync(fd)  # pages still dirty from the writing are not dropped
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(fd)
 
 
-def expected_rows(d: Path, layout: str) -> np.ndarray:
+def expected_rows(d: Path, layout: str, check: list[int]) -> np.ndarray:
     """An independent dequantization: the files read with numpy, pled.shared.dequant's reference formulas."""
     out = []
-    for gid in CHECK:
+    for gid in check:
         h = read_header(str(d / f"shard_{gid // ROWS}.safetensors"))
-        raw = np.fromfile(h.path, dtype=np.uint8)
+        raw = np.memmap(h.path, dtype=np.uint8, mode="r")
         tensors = {t.name: dequant.view(raw, t.begin, t.dtype, t.shape)
                    for t in h.tensors}
         out.append(dequant.dequant_rows(layout, tensors, np.array([gid % ROWS]))[0])
     return np.array(out)
 
 
-def start_workers(python: Path, d: Path, env: dict, check=CHECK) -> subprocess.Popen:
-    return subprocess.Popen([str(python), str(WORKER), str(d), "--workers", "2", "--check", ",".join(map(str, check)),
-                             "--hold"], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd="/")
+def start_workers(python: Path, d: Path, env: dict, check: list[int], model_rows: int) -> subprocess.Popen:
+    """Two workers, told the model's rows (the shards here stand in for the published 128)."""
+    return subprocess.Popen([str(python), str(WORKER), str(d), "--model-rows", str(model_rows), "--workers", "2",
+                             "--check", ",".join(map(str, check)), "--hold"], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
 
 
 def reports_until_holding(proc: subprocess.Popen) -> list[dict]:
@@ -102,14 +136,15 @@ def reports_until_holding(proc: subprocess.Popen) -> list[dict]:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_spawned_offload_workers_read_the_table_from_pled(hook_python, sidecar, daemon, layout):
-    d = sidecar(layout, shards=SHARDS, rows=ROWS)
+def test_spawned_offload_workers_read_the_table_from_pled(hook_python, published, daemon, layout):
+    d, shards = published(layout), SHARDS[layout]
+    check = check_ids(shards)
     files = sorted(str(p) for p in d.glob("*.safetensors"))
     pled = daemon({layout: d})
     drop_cache(files)
     assert [cached_bytes(f) for f in files] == [0] * len(files)
     before = shmem()
-    proc = start_workers(hook_python, d, clean_env(PLED_SOCKET=pled.socket))
+    proc = start_workers(hook_python, d, clean_env(PLED_SOCKET=pled.socket), check, shards * ROWS)
     try:
         reports = reports_until_holding(proc)
         grown = shmem() - before
@@ -127,18 +162,19 @@ def test_spawned_offload_workers_read_the_table_from_pled(hook_python, sidecar, 
         # Every tensor the worker kept is a view of pled's sealed memfd; no shard file is mapped.
         assert r["tensors_backed_by"] == [f"/memfd:pled:{layout} (deleted)"], r["tensors_backed_by"]
         assert r["shard_files_mapped"] == []
-        np.testing.assert_allclose(np.array(r["rows"], dtype=np.float32), expected_rows(d, layout), rtol=1e-6, atol=0)
-        assert f"pled: pid {r['pid']} mapped table {layout} (generation 1): {SHARDS} of {SHARDS} files" in stderr
+        np.testing.assert_allclose(np.array(r["rows"], dtype=np.float32), expected_rows(d, layout, check), rtol=1e-6, atol=0)
+        assert f"pled: pid {r['pid']} mapped table {layout} (generation 1): {shards} of {shards} files" in stderr
         assert str(r["pid"]) in status  # pled status lists both workers as clients
     assert "through safe_open" in stderr
     assert cached == [0] * len(files)  # the shard files were never read
     assert grown < 16 * MiB, f"Shmem grew by {grown / MiB:.1f} MiB"
 
 
-def test_a_dead_socket_fails_the_load_naming_pled_and_the_fallback_reads_the_files(hook_python, sidecar, tmp_path):
-    d = sidecar("ples_nvfp4", shards=2, rows=1000)
+def test_a_dead_socket_fails_the_load_naming_pled_and_the_fallback_reads_the_files(hook_python, published, tmp_path):
+    d = published("ples_nvfp4")
+    rows = SHARDS["ples_nvfp4"] * ROWS
     dead = str(tmp_path / "nothing-here.sock")
-    proc = start_workers(hook_python, d, clean_env(PLED_SOCKET=dead), check=[0, 1999])
+    proc = start_workers(hook_python, d, clean_env(PLED_SOCKET=dead), [0, rows - 1], rows)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 1
     reports = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
@@ -146,7 +182,7 @@ def test_a_dead_socket_fails_the_load_naming_pled_and_the_fallback_reads_the_fil
     for r in reports:
         assert r["error"].startswith(f"PledUnavailable: pled: configured by PLED_SOCKET ({dead}) but cannot attach")
         assert "PLED_FALLBACK=disk" in r["error"]
-    proc = start_workers(hook_python, d, clean_env(PLED_SOCKET=dead, PLED_FALLBACK="disk"), check=[0, 1999])
+    proc = start_workers(hook_python, d, clean_env(PLED_SOCKET=dead, PLED_FALLBACK="disk"), [0, rows - 1], rows)
     out, err = proc.communicate("\n", timeout=300)
     assert proc.returncode == 0, err[-4000:]
     reports = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
@@ -154,6 +190,30 @@ def test_a_dead_socket_fails_the_load_naming_pled_and_the_fallback_reads_the_fil
     assert all(r["shard_files_mapped"] for r in reports)
     assert err.count(f"WARNING pled: configured by PLED_SOCKET ({dead}) but cannot attach") == 2
     assert 'reading from disk instead (fallback = "disk")' in err
+
+
+@pytest.mark.parametrize("case", ["another shape", "another model's rows", "another model's width"])
+def test_the_worker_refuses_a_sidecar_the_published_worker_refuses(hook_python, published, sidecar, daemon, case):
+    """Its asserts, before any shard is opened: shards x 2,500,012 = META rows, META rows and width = the model's.
+    A sidecar of another shape is refused even with pled serving it."""
+    n = SHARDS["ples_int4"]
+    env = clean_env()
+    if case == "another shape":  # 60,000 rows a shard, as earlier synthetic sidecars had; the model told its rows
+        d, model_rows, more = sidecar("ples_int4", shards=4, rows=60_000), ["--model-rows", str(4 * 60_000)], []
+        env = clean_env(PLED_SOCKET=daemon({"ples_int4": d}).socket)
+        message = f"AssertionError: PLE sidecar: 4 shards x {ROWS} rows != 240000 rows in META.json"
+    elif case == "another model's rows":  # published shards, fewer than the published model's 128 (the default)
+        d, model_rows, more = published("ples_int4"), [], []
+        message = f"AssertionError: PLE sidecar: META.json rows {n * ROWS} != model rows {128 * ROWS}"
+    else:
+        d, model_rows, more = published("ples_int4"), ["--model-rows", str(n * ROWS)], ["--model-width", "128"]
+        message = f"AssertionError: PLE sidecar: META.json width {PUBLISHED_WIDTH} != model width 128"
+    r = subprocess.run([str(hook_python), str(WORKER), str(d), "--workers", "1", "--check", "0", *model_rows, *more],
+                       capture_output=True, text=True, cwd="/", timeout=300, env=env)
+    assert r.returncode == 1, r.stdout + r.stderr[-4000:]
+    (report,) = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert report["error"] == message, report
+    assert "mapped table" not in r.stderr  # refused before any safe_open: nothing was asked of pled
 
 
 def test_the_hook_is_inert_without_pled_socket_and_off_with_autoload_0(hook_python):
