@@ -24,12 +24,24 @@ class Host:
         p.write_text(text)
         return p
 
-    def meminfo(self, total, free, available=None):
+    def meminfo(self, total, free, available=None, slab_reclaimable=0):
         lines = [f"MemTotal: {total // KB} kB", f"MemFree: {free // KB} kB"]
         if available is not None:
             lines.append(f"MemAvailable: {available // KB} kB")
-        lines += ["Active(file): 1048576 kB", "Inactive(file): 1048576 kB", "SReclaimable: 0 kB", "HugePages_Total: 0"]
+        lines += ["Active(file): 1048576 kB", "Inactive(file): 1048576 kB", f"SReclaimable: {slab_reclaimable // KB} kB",
+                  "HugePages_Total: 0"]
         self.file("/proc/meminfo", "\n".join(lines) + "\n")
+
+    def zfs_arc(self, size, c_min):
+        """OpenZFS's arcstats as the kernel module writes it (a kstat header, then name type data)."""
+        self.file("/proc/spl/kstat/zfs/arcstats", "12 1 0x01 98 26656 1920163911 654183491814\n"
+                  "name                            type data\n"
+                  "hits                            4    1115656\n"
+                  f"c                               4    {size}\n"
+                  f"c_min                           4    {c_min}\n"
+                  f"c_max                           4    {64 * GiB}\n"
+                  f"size                            4    {size}\n"
+                  "arc_meta_used                   4    912345\n")
 
     def v1(self, path, levels, mount_root="/"):
         """levels: {cgroup path: (limit, usage, file_cache)}"""
@@ -198,3 +210,40 @@ def test_old_kernel_without_memavailable_is_estimated(host):
     host.meminfo(total=64 * GiB, free=10 * GiB)
     info = hostmem.read_meminfo(str(host.root))
     assert info.estimated and info.available == 12 * GiB
+
+
+def test_zfs_arc_above_its_minimum_counts_as_available(host):
+    # MemAvailable alone (20 GiB) would refuse the 29.8 GiB table; the ARC holds 24 GiB, 4 GiB of it its minimum.
+    host.meminfo(total=64 * GiB, free=2 * GiB, available=20 * GiB, slab_reclaimable=1 * GiB)
+    host.zfs_arc(size=24 * GiB, c_min=4 * GiB)
+    v = host.check()
+    assert v.ok and v.available == (20 + 24 - 4 - 1) * GiB, v.message
+    assert "MemAvailable 20.0 GiB + ZFS ARC 19.0 GiB: its size 24.0 GiB less its minimum 4.0 GiB and SReclaimable 1.0 GiB" \
+        in v.message
+    assert v.as_dict()["zfs_arc"] == {"size_bytes": 24 * GiB, "c_min_bytes": 4 * GiB, "counted_bytes": 19 * GiB}
+
+
+def test_zfs_arc_at_its_minimum_gives_nothing_and_the_refusal_names_it(host):
+    host.meminfo(total=64 * GiB, free=2 * GiB, available=20 * GiB)
+    host.zfs_arc(size=4 * GiB, c_min=4 * GiB)
+    v = host.check()
+    assert not v.ok and v.available == 20 * GiB
+    assert "only 20.0 GiB is available" in v.message and "ZFS ARC 0.0 KiB: its size 4.0 GiB less its minimum 4.0 GiB" in v.message
+    with pytest.raises(PreflightRefused):
+        v.raise_if_refused()
+
+
+def test_a_cgroup_limit_still_binds_on_a_zfs_host(host):
+    host.meminfo(total=64 * GiB, free=2 * GiB, available=20 * GiB)
+    host.zfs_arc(size=40 * GiB, c_min=1 * GiB)
+    host.v2("/system.slice/pled.service", {"/system.slice/pled.service": (16 * GiB, 0, 0)})
+    v = host.check()
+    assert not v.ok and v.available == 16 * GiB and "cgroup limit 16.0 GiB" in v.message
+
+
+def test_unreadable_arcstats_is_named_and_memavailable_alone_decides(host):
+    host.meminfo(total=64 * GiB, free=2 * GiB, available=40 * GiB)
+    host.file("/proc/spl/kstat/zfs/arcstats", "12 1 0x01 98 26656 1920163911 654183491814\nname type data\nhits 4 12\n")
+    v = host.check()
+    assert v.ok and v.available == 40 * GiB and v.zfs_arc is None
+    assert any("arcstats: has no size and c_min lines" in p for p in v.problems), v.problems

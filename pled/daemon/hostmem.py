@@ -1,4 +1,4 @@
-"""What memory this process can really have: /proc/meminfo and its memory cgroup.
+"""What memory this process can really have: /proc/meminfo, the ZFS ARC, and its memory cgroup.
 
 One reader per kernel file, each rooted at ``root`` so tests feed fixture trees
 (as psutil does with its procfs path), each returning bytes in a frozen record.
@@ -41,6 +41,7 @@ class MemInfo:
     free: int
     available: int
     estimated: bool  # True where the kernel has no MemAvailable and we estimated it
+    slab_reclaimable: int = 0  # SReclaimable: MemAvailable already counts part of it
 
 
 def read_meminfo(root: str = "/") -> MemInfo | None:
@@ -58,10 +59,41 @@ def read_meminfo(root: str = "/") -> MemInfo | None:
     if "MemTotal" not in fields or "MemFree" not in fields:
         raise HostInfoUnavailable(path, "has no MemTotal/MemFree lines")
     if "MemAvailable" in fields:  # since Linux 3.14
-        return MemInfo(fields["MemTotal"], fields["MemFree"], fields["MemAvailable"], estimated=False)
+        return MemInfo(fields["MemTotal"], fields["MemFree"], fields["MemAvailable"], estimated=False,
+                       slab_reclaimable=fields.get("SReclaimable", 0))
     # Older kernels: free plus reclaimable file pages and slab, as the kernel itself estimates.
     estimate = fields["MemFree"] + fields.get("Active(file)", 0) + fields.get("Inactive(file)", 0) + fields.get("SReclaimable", 0)
-    return MemInfo(fields["MemTotal"], fields["MemFree"], min(estimate, fields["MemTotal"]), estimated=True)
+    return MemInfo(fields["MemTotal"], fields["MemFree"], min(estimate, fields["MemTotal"]), estimated=True,
+                   slab_reclaimable=fields.get("SReclaimable", 0))
+
+
+@dataclass(frozen=True)
+class ZfsArc:
+    """The ZFS ARC (OpenZFS's /proc/spl/kstat/zfs/arcstats): a cache the kernel's MemAvailable leaves out,
+    though ZFS gives it back under memory pressure down to its minimum, ``c_min``."""
+
+    size: int
+    c_min: int
+
+    @property
+    def reclaimable(self) -> int:
+        return max(0, self.size - self.c_min)
+
+
+def read_zfs_arc(root: str = "/") -> ZfsArc | None:
+    """The ARC's size and minimum, or None on a host without ZFS."""
+    path = _join(root, "/proc/spl/kstat/zfs/arcstats")
+    text = _read(path)
+    if text is None:
+        return None
+    fields = {}
+    for line in text.splitlines()[2:]:  # a kstat header line, then "name type data"
+        parts = line.split()
+        if len(parts) == 3 and parts[2].isdigit():
+            fields[parts[0]] = int(parts[2])
+    if "size" not in fields or "c_min" not in fields:
+        raise HostInfoUnavailable(path, "has no size and c_min lines")
+    return ZfsArc(fields["size"], fields["c_min"])
 
 
 def own_rss(root: str = "/", pid: int | str = "self") -> int:

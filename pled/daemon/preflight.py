@@ -3,7 +3,9 @@
 Needed: the exact bytes of every region (the source files plus their 2 MiB
 alignment and the region header), plus ``headroom_margin``. Available: MemAvailable
 (never MemFree: page cache left by an earlier run is reclaimable and must not
-cause a refusal), and inside a limited memory cgroup the least headroom of any
+cause a refusal) plus, on a ZFS host, the ARC above its minimum (a cache MemAvailable leaves out though
+ZFS shrinks it under pressure; less SReclaimable, since OpenZFS 2.3 accounts part of the ARC as
+reclaimable slab, which MemAvailable may already count: never counted twice), and inside a limited memory cgroup the least headroom of any
 level above us (the limit less what is charged and not reclaimable file cache).
 If none of that can be read the check is skipped and says "headroom unknown":
 a preflight must never stop a boot for lack of data.
@@ -35,6 +37,8 @@ class Verdict:
     message: str
     problems: tuple[str, ...] = ()  # files that could not be read
     file_size_limit: int | None = None  # soft RLIMIT_FSIZE in bytes; None: unlimited
+    zfs_arc: hostmem.ZfsArc | None = None
+    zfs_arc_counted: int = 0  # bytes of the ARC counted as available beside MemAvailable
 
     def as_dict(self) -> dict:
         binding = self.cgroup.binding if self.cgroup else None
@@ -52,6 +56,9 @@ class Verdict:
             "message": self.message,
             "problems": list(self.problems),
             "file_size_limit_bytes": self.file_size_limit,
+            "zfs_arc": None if self.zfs_arc is None else {
+                "size_bytes": self.zfs_arc.size, "c_min_bytes": self.zfs_arc.c_min,
+                "counted_bytes": self.zfs_arc_counted},
         }
 
     def raise_if_refused(self) -> None:
@@ -104,9 +111,13 @@ def check(tables: dict[str, int], margin: int, root: str = "/", fsize_limit: int
 def _check_memory(tables: dict[str, int], margin: int, root: str) -> Verdict:
     """Compare the bytes these tables need with the memory this process can have."""
     problems: list[str] = []
-    meminfo = cgroup = None
+    meminfo = cgroup = arc = None
     try:
         meminfo = hostmem.read_meminfo(root)
+    except hostmem.HostInfoUnavailable as err:
+        problems.append(str(err))
+    try:
+        arc = hostmem.read_zfs_arc(root)
     except hostmem.HostInfoUnavailable as err:
         problems.append(str(err))
     try:
@@ -115,18 +126,26 @@ def _check_memory(tables: dict[str, int], margin: int, root: str) -> Verdict:
         problems.append(str(err))
     needed = sum(tables.values())
     binding = cgroup.binding if cgroup else None
-    candidates = [x for x in (meminfo.available if meminfo else None, binding.headroom if binding else None) if x is not None]
+    arc_counted = max(0, arc.reclaimable - meminfo.slab_reclaimable) if arc and meminfo else 0
+    host = meminfo.available + arc_counted if meminfo else None
+    candidates = [x for x in (host, binding.headroom if binding else None) if x is not None]
+    found = {"zfs_arc": arc, "zfs_arc_counted": arc_counted}
     if not candidates:
         why = "; ".join(problems) or "no /proc/meminfo and no memory cgroup"
         return Verdict(True, needed, margin, None, meminfo, cgroup, tables,
-                       f"headroom unknown ({why}); skipping the memory check for {gib(needed)}", tuple(problems))
+                       f"headroom unknown ({why}); skipping the memory check for {gib(needed)}", tuple(problems), **found)
     available = min(candidates)
     if binding is not None and binding.headroom <= available:
         where = f"cgroup limit {gib(binding.limit)}"
         if binding.path != (cgroup.path if cgroup else None):
             where += f" on {binding.path}"
+    elif meminfo is None:
+        where = "MemAvailable unknown"
+    elif arc is not None:
+        where = (f"MemAvailable {gib(meminfo.available)} + ZFS ARC {gib(arc_counted)}: its size {gib(arc.size)} "
+                 f"less its minimum {gib(arc.c_min)} and SReclaimable {gib(meminfo.slab_reclaimable)}")
     else:
-        where = f"MemAvailable {gib(meminfo.available)}" if meminfo else "MemAvailable unknown"
+        where = f"MemAvailable {gib(meminfo.available)}"
     plus = f" plus {gib(margin)} headroom_margin" if margin else ""
     if needed + margin > available:
         message = (
@@ -134,6 +153,6 @@ def _check_memory(tables: dict[str, int], margin: int, root: str) -> Verdict:
             f"to this service ({where}); free memory, raise the limit (MemoryMax= in the unit), "
             f"lower headroom_margin, or stage fewer tables"
         )
-        return Verdict(False, needed, margin, available, meminfo, cgroup, tables, message, tuple(problems))
+        return Verdict(False, needed, margin, available, meminfo, cgroup, tables, message, tuple(problems), **found)
     message = f"preflight passed: {gib(needed)} for {_what(tables)}{plus}, {gib(available)} available ({where})"
-    return Verdict(True, needed, margin, available, meminfo, cgroup, tables, message, tuple(problems))
+    return Verdict(True, needed, margin, available, meminfo, cgroup, tables, message, tuple(problems), **found)
