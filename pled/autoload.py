@@ -1,5 +1,6 @@
 """pled's start-up hook, imported by ``pled-autoload.pth`` in every interpreter of the environment pled is
-installed in, where ``PLED_SOCKET`` is set and ``PLED_AUTOLOAD`` is not ``0``.
+installed in, where ``PLED_SOCKET`` is set (or vLLM's ``VLLM_PLUGINS`` leaves pled out: then only to say, once per
+process that loads a table, that pled is off there) and ``PLED_AUTOLOAD`` is not ``0``.
 
 It installs the import hook the vLLM plugin installs (pled.client.vllm_plugin.register), so a process that never
 loads vLLM's plugins (the PLE offload worker, started with multiprocessing's spawn) also reads the files
@@ -11,8 +12,17 @@ import os
 import sys
 
 
+def _left_out_by_vllm() -> bool:
+    """``VLLM_PLUGINS`` set without ``pled`` (vLLM's rule, pled.client.held_files.left_out_by_vllm): vLLM will not
+    register pled even where ``--additional-config`` enables it, so the hook is installed here to say so."""
+    allowed = os.environ.get("VLLM_PLUGINS")
+    return allowed is not None and "pled" not in allowed.split(",")
+
+
 def run() -> None:
-    if not os.environ.get("PLED_SOCKET") or os.environ.get("PLED_AUTOLOAD", "1") == "0":
+    if os.environ.get("PLED_AUTOLOAD", "1") == "0":
+        return
+    if not os.environ.get("PLED_SOCKET") and not _left_out_by_vllm():
         return
     try:
         from pled.client import vllm_plugin

@@ -151,3 +151,24 @@ def test_safe_open_is_served_for_held_files_only(model, daemon, tmp_path):
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode != 0
     assert f"{files[1]} changed since pled staged it into table model" in r.stderr
+
+
+@pytest.mark.parametrize("enabled_by", ["PLED_SOCKET", "--additional-config"])
+def test_vllm_plugins_leaving_pled_out_turns_pled_off(model, tmp_path, enabled_by):
+    """vLLM's allow-list wins over either way of enabling pled: with VLLM_PLUGINS naming another plugin, vLLM
+    reads the model from disk, and each process that loads it says once why pled is off. The socket is dead:
+    had pled been on, the load would have failed (no fallback)."""
+    dead = str(tmp_path / "nothing-here.sock")
+    env = {"VLLM_PLUGINS": "some_other_plugin"}
+    if enabled_by == "PLED_SOCKET":
+        r = generate(model, env=env | {"PLED_SOCKET": dead})
+    else:
+        r = generate(model, env=env, additional={"pled": {"socket": dead}})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert len(tokens(r.stdout)) == 2
+    said = [line for line in (r.stdout + r.stderr).splitlines() if "VLLM_PLUGINS='some_other_plugin' leaves pled out" in line]
+    pids = [line.split("(pid ")[1].split(")")[0] for line in said]
+    assert pids and len(pids) == len(set(pids)), said  # once per process that loaded a table
+    assert all((enabled_by if enabled_by == "PLED_SOCKET" else "--additional-config's pled socket") in line
+               for line in said)
+    assert "cannot attach" not in r.stdout + r.stderr

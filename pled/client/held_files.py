@@ -6,7 +6,8 @@ not (a spawned PLE offload worker), which get it from the start-up hook (pled.au
 
 Enabled by ``PLED_SOCKET`` (with ``PLED_TABLES=a,b`` and ``PLED_FALLBACK=disk``) or, in a process where
 vLLM's config is already set, by ``--additional-config '{"pled": {"socket": ..., "tables": [...],
-"fallback": "disk"}}'``. The tables are attached on the first file asked for, once per process. If pled
+"fallback": "disk"}}'``, unless vLLM's plugin allow-list ``VLLM_PLUGINS`` is set and leaves pled out: then
+pled is off in the process, with one warning. The tables are attached on the first file asked for, once per process. If pled
 is configured but cannot serve, the file's load fails with pled's message, unless the fallback is
 ``"disk"``: then a warning, and the file is read as usual. Neither torch nor vLLM is imported here.
 """
@@ -63,11 +64,36 @@ def _vllm_additional_config() -> dict:
     return {}
 
 
+_left_out_said = False
+
+
+def left_out_by_vllm() -> str | None:
+    """vLLM's plugin allow-list, when it is set and leaves pled out (vLLM's own rule: ``VLLM_PLUGINS`` split
+    on commas, names compared exactly; set but empty allows nothing); else None."""
+    allowed = os.environ.get("VLLM_PLUGINS")
+    if allowed is None or "pled" in allowed.split(","):
+        return None
+    return allowed
+
+
 def settings() -> Settings | None:
-    """pled's settings for this process; None: pled is not enabled here."""
+    """pled's settings for this process; None: pled is not enabled here.
+
+    vLLM's allow-list wins: where ``VLLM_PLUGINS`` is set and does not name ``pled``, pled is off in this
+    process however it was enabled (``PLED_SOCKET`` or ``--additional-config``), and says so once."""
+    global _left_out_said
     extra = _vllm_additional_config()
     socket = extra.get("socket") or os.environ.get("PLED_SOCKET")
     if not socket:
+        return None
+    allowed = left_out_by_vllm()
+    if allowed is not None:
+        if not _left_out_said:
+            _left_out_said = True
+            emit(logging.WARNING, "pled: VLLM_PLUGINS=%r leaves pled out, so pled is off in this process (pid %d) "
+                 "though %s is set: the tables are read from disk; add pled to VLLM_PLUGINS to serve them from "
+                 "shared memory", allowed, os.getpid(),
+                 "--additional-config's pled socket" if extra.get("socket") else "PLED_SOCKET")
         return None
     tables = extra.get("tables")
     if tables is None and os.environ.get("PLED_TABLES"):
