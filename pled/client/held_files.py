@@ -7,9 +7,9 @@ not (a spawned PLE offload worker), which get it from the start-up hook (pled.au
 Enabled by ``PLED_SOCKET`` (with ``PLED_TABLES=a,b`` and ``PLED_FALLBACK=disk``) or, in a process where
 vLLM's config is already set, by ``--additional-config '{"pled": {"socket": ..., "tables": [...],
 "fallback": "disk"}}'``, unless vLLM's plugin allow-list ``VLLM_PLUGINS`` is set and leaves pled out: then
-pled is off in the process, with one warning. The tables are attached on the first file asked for, once per process. If pled
-is configured but cannot serve, the file's load fails with pled's message, unless the fallback is
-``"disk"``: then a warning, and the file is read as usual. Neither torch nor vLLM is imported here.
+pled is off in the process, with one warning. The tables are attached on the first file asked for, once per
+process. If pled is configured but cannot serve, the file's load fails with pled's message, unless the
+fallback is ``"disk"``: then a warning, and the file is read as usual. Neither torch nor vLLM is imported here.
 """
 from __future__ import annotations
 
@@ -123,7 +123,10 @@ class State:
     reported: set = field(default_factory=set)  # (table, seam) whose every file was reported
 
     def lookup(self, path: str) -> Held | None:
-        """The region holding ``path``, if it is a file pled staged and it is unchanged; else None or an error."""
+        """The region holding ``path``, if it is a file pled staged and it is unchanged; else None or an error.
+
+        None too, with one warning per file, where this process cannot view every tensor of the file (a dtype
+        its torch lacks): each seam then hands the file to the reader it wraps, which reads it from disk."""
         real = os.path.realpath(path)
         held = self.files.get(real)
         if held is None:
@@ -132,6 +135,15 @@ class State:
         if (st.st_size, st.st_mtime_ns) != (held.shard.size, held.shard.mtime_ns):
             self.refuse(f"{real} changed since pled staged it into table {held.table.name} "
                         f"(size {st.st_size}, was {held.shard.size}); restart pled to stage it anew, then vLLM")
+            return None
+        problem = held.table.unviewable(held.shard.index)
+        if problem is not None:
+            with _lock:
+                warned = self.__dict__.setdefault("_unviewable_warned", set())  # kept here: lookup's own state
+                if real not in warned:
+                    warned.add(real)
+                    emit(logging.WARNING, "pled: %s (table %s): %s; reading it from disk instead", real,
+                         held.table.name, problem)
             return None
         return held
 

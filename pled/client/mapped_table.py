@@ -6,7 +6,7 @@ wire connection, pled.client.connection) is not this module's business: ``attach
 hands over the fd and the connection to close with the table.
 
 This module never imports the daemon's code; torch is imported only when tensors or gathers are
-asked for (it comes from the vLLM environment).
+asked for, or whether a shard's tensors can be viewed (it comes from the vLLM environment).
 """
 from __future__ import annotations
 
@@ -32,10 +32,13 @@ if TYPE_CHECKING:
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14+
 PAGE = mmap.PAGESIZE
 
+# The torch dtype of each safetensors dtype, as safetensors names it (a torch without one cannot view the files
+# that hold it: ``unviewable``). F4 is two values a byte, last dimension halved, as safetensors' own reader does it.
 _TORCH_DTYPES = {
     "U8": "uint8", "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64", "U16": "uint16", "U32": "uint32",
     "U64": "uint64", "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64", "BOOL": "bool",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu", "C64": "complex64",
+    "F4": "float4_e2m1fn_x2",
 }
 
 
@@ -51,6 +54,7 @@ class Table:
     _attachment = None
     _gatherer = None
     _views = None
+    _unviewable = None  # shard index -> why its tensors cannot all be viewed here (None: they can)
 
     def __init__(self, fd: int, generation: int, populate: bool, attachment=None) -> None:
         self._attachment = attachment
@@ -162,6 +166,38 @@ class Table:
         """The tensors of one shard (one source file), by their names in that file."""
         return {self.manifest.tensors[i].name: self.view(i) for i in self._by_shard[index]}
 
+    def shard_entries(self, index: int) -> dict[str, int]:
+        """One shard's tensor names -> their index in ``manifest.tensors`` (for ``view``), in manifest order."""
+        return {self.manifest.tensors[i].name: i for i in self._by_shard[index]}
+
+    def file_view(self, index: int) -> "torch.Tensor":
+        """``manifest.tensors[index]`` viewed anew: its bytes as its torch dtype, in the file's shape (an F4 tensor,
+        two values a byte, does not take that shape: torch says so, as under safetensors' own reader)."""
+        import torch
+
+        entry = self.manifest.tensors[index]
+        raw = _bytes(self.buffer, entry.offset, entry.nbytes) if entry.nbytes else torch.empty(0, dtype=torch.uint8)
+        return raw.view(dtype=torch_dtype(entry.dtype)).reshape(list(entry.shape))
+
+    def array(self, index: int) -> np.ndarray:
+        """``manifest.tensors[index]`` as a read-only numpy view of the mapping, in ``numpy_dtype``'s dtype."""
+        entry = self.manifest.tensors[index]
+        dtype = numpy_dtype(entry.dtype)
+        if not entry.nbytes:
+            return np.zeros(entry.shape, dtype=dtype)
+        count = entry.nbytes // np.dtype(dtype).itemsize
+        return np.frombuffer(self.buffer, dtype=dtype, count=count, offset=entry.offset).reshape(entry.shape)
+
+    def unviewable(self, index: int) -> str | None:
+        """Why this process cannot make torch views of every tensor of shard ``index`` (None: it can); worked out
+        once a shard."""
+        if self._unviewable is None:
+            self._unviewable = {}
+        if index not in self._unviewable:
+            problems = (_no_view(self.manifest.tensors[i]) for i in self._by_shard[index])
+            self._unviewable[index] = next((p for p in problems if p), None)
+        return self._unviewable[index]
+
     # -- gather + dequant (the CPU dequant worker's job) -------------------------------------
 
     def gather(self, row_ids, out: "torch.Tensor | None" = None, dtype=None) -> "torch.Tensor":
@@ -188,16 +224,14 @@ class Table:
 
             import torch
 
-            with warnings.catch_warnings():  # the buffer is read-only on purpose: the mapping is PROT_READ
-                warnings.simplefilter("ignore", UserWarning)
-                data = torch.frombuffer(self.buffer, dtype=torch.uint8)
-            self._gatherer = Gatherer(self.manifest, data)
+            self._gatherer = Gatherer(self.manifest, _bytes(self.buffer, 0, len(self.buffer)))
         return self._gatherer
 
     # -- life --------------------------------------------------------------------------------
 
     def close(self, _close=os.close) -> None:
-        """Unmap and drop the fd and the attachment. Views taken from ``tensors`` must be gone first.
+        """Unmap and drop the fd and the attachment. Tensors and arrays still taken from the table keep the
+        mapping (not the fd) until the last of them goes; they stay valid.
         (os.close is bound, not looked up: __del__ may run at interpreter exit, after this module's globals.)"""
         self._gatherer = None
         self._names = None
@@ -225,16 +259,56 @@ class Table:
         self.close()
 
 
+def torch_dtype(code: str):
+    """The torch dtype of safetensors dtype ``code``; None where this torch has none (or there is no torch)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    name = _TORCH_DTYPES.get(code)
+    return getattr(torch, name, None) if name else None
+
+
+def numpy_dtype(code: str):
+    """numpy's dtype for safetensors dtype ``code``, looked up as safetensors' reader looks it up, so that one this
+    numpy lacks fails alike: AttributeError for F8 and F4, TypeError for BF16 (unless ml_dtypes is loaded)."""
+    if code == "BF16":
+        return np.dtype("bfloat16")
+    return bool if code == "BOOL" else getattr(np, _TORCH_DTYPES[code])  # numpy's names are torch's
+
+
+def _no_view(entry: region.TensorEntry) -> str | None:
+    if torch_dtype(entry.dtype) is None:
+        return f"its tensor {entry.name!r} is {entry.dtype}, which this process's torch has no dtype for"
+    if entry.dtype == "F4" and (not entry.shape or entry.shape[-1] % 2):  # safetensors' reader refuses it too
+        return f"its F4 tensor {entry.name!r} has an odd last dimension {list(entry.shape)}, which torch cannot pack"
+    return None
+
+
 def _make_view(buffer: mmap.mmap, entry: region.TensorEntry) -> "torch.Tensor":
+    """The tensor at ``entry``: a view of ``buffer`` at any byte offset (the format does not align tensors, and
+    torch reads an unaligned view as it is), shaped as safetensors' own reader shapes it."""
     import torch
 
     dtype = getattr(torch, _TORCH_DTYPES[entry.dtype])
-    count = entry.nbytes // dtype.itemsize
-    if not count:
-        return torch.empty(entry.shape, dtype=dtype)
+    shape = tuple(entry.shape)
+    if entry.dtype == "F4":  # two values a byte: safetensors halves the last dimension (Table.unviewable: odd ones)
+        shape = shape[:-1] + (shape[-1] // 2,)
+    if not entry.nbytes // dtype.itemsize:
+        return torch.empty(shape, dtype=dtype)
+    return _bytes(buffer, entry.offset, entry.nbytes).view(dtype).reshape(shape)
+
+
+def _bytes(buffer: mmap.mmap, offset: int, nbytes: int) -> "torch.Tensor":
+    """``nbytes`` of the mapping from ``offset`` as a uint8 tensor that keeps the mapping exported while it lives
+    (through the numpy array under it), so ``Table.close`` cannot unmap memory a tensor still points into: the
+    mapping then goes with the last such tensor. (``torch.frombuffer`` keeps no export: a view of it outlived
+    the mapping and faulted.) Its storage starts at ``offset``, so any dtype views it at any byte offset."""
+    import torch
+
     with warnings.catch_warnings():  # the buffer is read-only on purpose: the mapping is PROT_READ
         warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(buffer, dtype=dtype, count=count, offset=entry.offset).reshape(entry.shape)
+        return torch.from_numpy(np.frombuffer(buffer, dtype=np.uint8, count=nbytes, offset=offset))
 
 
 class TensorViews(Mapping):
