@@ -50,7 +50,7 @@ def _run(work: str, layout: str, shards: int, rows: int, seed: int) -> int:
     if not verdict.ok:
         return EX_CONFIG
 
-    r = staging.stage(layout, sidecar)
+    r = staging.stage(layout, sidecar, planned=manifest)
     with r:
         m = r.manifest
         print(f"4. staged into memfd 'pled:{layout}': {gib(m.source_bytes)} in {r.stats.seconds * 1000:.0f} ms "

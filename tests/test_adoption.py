@@ -9,7 +9,8 @@ import pytest
 
 from pled.daemon import fdstore, staging
 from pled.shared import region
-from pled.daemon.notify import Notifier, StoredFd
+from pled.daemon.fdstore import StoredFd
+from pled.daemon.notify import Notifier
 from pled.daemon.sidecar import open_table
 
 

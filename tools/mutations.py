@@ -1,4 +1,4 @@
-"""Break pled on purpose, one way at a time, and show that a test notices, quickly (issue 15, "Tests that can fail").
+"""Break pled on purpose, one way at a time, and show that a test notices, quickly.
 
     python tools/mutations.py            # every mutation (a few minutes)
     python tools/mutations.py -k groups  # those whose name contains "groups"
@@ -132,6 +132,15 @@ MUTATIONS = [
     Mutation("a reply carries a writable (O_RDWR) duplicate of the region", "pled/daemon/session.py",
              "                fds.append(readonly_duplicate(r.fd))\n", "                fds.append(os.dup(r.fd))\n",
              ("tests/test_serving.py::test_writes_through_a_client_mapping_fail",)),
+    Mutation("a failed first staging exits 0", "pled/daemon/startup.py",
+             '        self.exit_status = getattr(error, "exit_status", 1) or 1\n', "        pass\n",
+             ("tests/test_faults.py::test_a_shard_that_shrinks_while_it_is_copied_fails_the_start_clearly",)),
+    Mutation("a replaced generation left in systemd's fd store", "pled/daemon/registry.py",
+             "        self._fdstore.remove(old.name, old.generation)\n", "",
+             ("tests/test_fdstore_limit.py::test_a_reload_frees_the_old_generations_entry_before_storing_the_new_one",)),
+    Mutation("a reload's generation handed to the fd store before it is served", "pled/daemon/registry.py",
+             "                if self._served.get(t.name) is t:  #", "                if True:  #",
+             ("tests/test_reload.py::test_reload_switches_generations_while_a_client_reads_the_old_one",)),
     Mutation("gather scratch made anew for every request", "pled/client/gather.py",
              "        if self.scratch is None or self.scratch.rows < rows:\n", "        if True:\n",
              ("tests/test_gather_scratch.py::test_a_second_gather_of_the_same_size_allocates_nothing",)),

@@ -1,2 +1,3 @@
-"""The daemon: config, sidecar reading, preflight, staging, the server, systemd, the loop, reload.
-Never imports torch or the client side."""
+"""The daemon: config, sidecar reading, planning and preflight, staging, the registry of tables, the server,
+systemd, the loop, reload (docs/ARCHITECTURE.md has the module map and the layers). Never imports torch or the
+client side."""

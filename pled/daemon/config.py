@@ -70,6 +70,12 @@ class Config(BaseModel):
         """The file this configuration was read from."""
         return self._source
 
+    def with_socket(self, socket: str) -> "Config":
+        """This config, from the same file, serving on ``socket`` (a reload cannot move a bound socket)."""
+        config = self.model_copy(update={"socket": socket})
+        config._source = self._source
+        return config
+
     @field_validator("headroom_margin", mode="before")
     @classmethod
     def _size(cls, value: object) -> int:

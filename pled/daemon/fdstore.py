@@ -1,8 +1,9 @@
 """Tables that outlive pled: systemd's fd store, how much of it pled may use, and what to do with the memfds
 systemd hands back at start.
 
-Each region pled stages is stored with systemd (FDSTORE=1, FDNAME=pled.<generation>.<table>).
-When pled starts again systemd passes them back (LISTEN_FDS). A stored region is adopted,
+Each region pled stages is stored with systemd (FDSTORE=1, FDNAME=pled.<generation>.<table>: ``fd_name``).
+When pled starts again systemd passes them back (LISTEN_FDS, read by ``listen_fds`` as
+sd_listen_fds_with_names does, into ``StoredFd``s that own their fds). A stored region is adopted,
 without copying a byte, only if its header reads, its seals are all there, and its manifest
 is exactly what staging the table's files now would produce (same paths, sizes, mtimes,
 header fingerprints, offsets). Anything else is removed from the store (FDSTOREREMOVE=1)
@@ -23,13 +24,67 @@ from dataclasses import dataclass, field
 
 from pled.shared import region
 from pled.shared.errors import RegionError
-from pled.daemon.notify import Notifier, StoredFd, fd_name, parse_fd_name
+from pled.daemon.notify import Notifier
 from pled.shared.region import Manifest, Region
 from pled.shared.sizes import gib
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX = 64  # units/pled.service: FileDescriptorStoreMax=64
+FDS_START = 3  # SD_LISTEN_FDS_START
+FDNAME_PREFIX = "pled"
+
+
+def fd_name(table: str, generation: int) -> str:
+    """FDNAME for a table's region: 'pled.<generation>.<table>' (fd names may not hold ':')."""
+    return f"{FDNAME_PREFIX}.{generation}.{table}"
+
+
+def parse_fd_name(name: str) -> tuple[str, int] | None:
+    parts = name.split(".", 2)
+    if len(parts) != 3 or parts[0] != FDNAME_PREFIX or not parts[1].isdigit():
+        return None
+    return parts[2], int(parts[1])
+
+
+@dataclass(frozen=True)
+class StoredFd:
+    """One fd systemd passed at start, and its FDNAME; owned by whoever holds this until adopted or closed."""
+
+    fd: int
+    name: str
+
+
+def listen_fds(env: dict | None = None, unset: bool = True) -> list[StoredFd]:
+    """The fds systemd passed us (LISTEN_FDS/LISTEN_FDNAMES), if they are meant for this process.
+
+    As sd_listen_fds_with_names(unset_environment=1): the variables are removed so that no child
+    inherits them, and each fd is marked close-on-exec.
+    """
+    env = os.environ if env is None else env
+    pid, count, names = env.get("LISTEN_PID"), env.get("LISTEN_FDS", "0"), env.get("LISTEN_FDNAMES", "")
+    if unset:
+        for key in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
+            env.pop(key, None)
+    if pid != str(os.getpid()) or not count.isdigit():
+        return []
+    labels = names.split(":") if names else []
+    out = []
+    for i in range(int(count)):
+        fd = FDS_START + i
+        try:
+            os.set_inheritable(fd, False)
+        except OSError:
+            log.warning("LISTEN_FDS names fd %d but it is not open; ignoring it", fd)
+            continue
+        out.append(StoredFd(fd, labels[i] if i < len(labels) else "unknown"))
+    return out
+
+
+def close_stored(stored: list[StoredFd]) -> None:
+    """Close pled's copies and leave systemd's in the store (a refused config: a fixed one may adopt them)."""
+    for item in stored:
+        os.close(item.fd)
 
 
 class FdStore:
@@ -65,6 +120,12 @@ class FdStore:
     def adopted(self, name: str) -> None:
         self.names.add(name)
 
+    def drop(self, item: StoredFd, why: str) -> None:
+        """A stored fd pled does not adopt: out of the store, and closed."""
+        log.info("removing %s from the fd store: %s", item.name, why)
+        self.notifier.remove_fd(item.name)
+        os.close(item.fd)
+
     def store(self, table: str, generation: int, region: Region) -> bool:
         if not self.notifier.enabled:
             return False
@@ -81,7 +142,8 @@ class FdStore:
                  self.limit)
         return True
 
-    def remove(self, name: str) -> None:
+    def remove(self, table: str, generation: int) -> None:
+        name = fd_name(table, generation)
         self.notifier.remove_fd(name)
         self.names.discard(name)
 
@@ -115,12 +177,7 @@ def adopt_stored(stored: list[StoredFd], planned: dict[str, Manifest], store: Fd
     """The regions systemd kept for us: those that match what staging the files now would give are adopted,
     every other one is removed from the store and closed."""
     out = Adopted()
-
-    def drop(fd: StoredFd, why: str) -> None:
-        log.info("removing %s from the fd store: %s", fd.name, why)
-        store.notifier.remove_fd(fd.name)
-        os.close(fd.fd)
-
+    drop = store.drop
     for item in stored:
         parsed = parse_fd_name(item.name)
         if parsed is None:

@@ -1,31 +1,49 @@
 """The calls pled answers (io.pled.Ping, Status, Reload, Attach), and who is attached to what.
 
 The server calls a ``Handlers`` with each parsed call; a handler returns a Reply, or PENDING when the
-answer comes later (an Attach that waits for its table, a Reload). An exception a handler raises becomes
-that caller's io.pled.InternalError in the server; it never reaches the loop.
+answer comes later (an Attach that waits for its table, a Reload): ``answer`` sends it then. An exception a
+handler raises becomes that caller's io.pled.InternalError in the server; it never reaches the loop. The
+handlers read the tables and the config from the registry and change neither.
 """
 from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING
+from typing import Callable, Collection
 
-from pled.shared import protocol
 from pled.daemon import tables
-from pled.shared.boundary import clip
-from pled.daemon.session import Reply, Session
+from pled.daemon.registry import Registry
+from pled.daemon.reload import Reloader
 from pled.daemon.server import PENDING
-
-if TYPE_CHECKING:
-    from pled.daemon.lifecycle import Daemon
-    from pled.daemon.tables import TableState
+from pled.daemon.session import Reply, Session
+from pled.daemon.tables import State, TableState
+from pled.shared import protocol
+from pled.shared.boundary import clip
 
 log = logging.getLogger(__name__)
 
 
+def attached_count(connections: Collection[Session]) -> int:
+    return sum(1 for c in connections if c.attached)
+
+
+def holders(connections: Collection[Session], name: str, generation: int) -> int:
+    """How many of ``connections`` are attached to that generation of table ``name``."""
+    return sum(1 for c in connections if c.attached.get(name) == generation)
+
+
 class Handlers:
-    def __init__(self, daemon: "Daemon") -> None:
-        self.d = daemon
+    def __init__(self, registry: Registry, reloader: Reloader, *, answer: Callable[[Session, Reply], None],
+                 connections: Callable[[], Collection[Session]], clients_changed: Callable[[], None],
+                 started: float) -> None:
+        """``answer(conn, reply)`` sends the later reply to a call that got PENDING; ``connections()`` are the
+        server's open connections; ``clients_changed()`` is told when a client attaches or leaves."""
+        self.registry = registry
+        self.reloader = reloader
+        self.answer = answer
+        self.connections = connections
+        self.clients_changed = clients_changed
+        self.started = started
         self.waiters: dict[str, list[Session]] = {}  # table -> connections waiting for it to be ready
         self._methods = {protocol.PING: self.ping, protocol.STATUS: self.status, protocol.RELOAD: self.reload,
                          protocol.ATTACH: self.attach}
@@ -48,40 +66,30 @@ class Handlers:
         if conn.peer.uid not in (0, os.geteuid()):
             log.warning("refused io.pled.Reload from %s: only root and pled's own user may reload", conn.peer.describe())
             return Reply(protocol.error(protocol.PERMISSION_DENIED, uid=conn.peer.uid))
-        result = self.d.reloader.begin(conn)
-        if result is PENDING:
-            conn.pending += 1
-        return result
+        return self.reloader.begin(conn)
 
     def attach(self, conn: Session, params: dict):
         name = params.get("table")
         if not isinstance(name, str):
             return Reply(protocol.error(protocol.INVALID_PARAMETER, parameter="table"))
-        t = self.d.tables.get(name)
+        served = self.registry.tables
+        t = served.get(name)
         if t is None:
-            return Reply(protocol.error(protocol.NO_SUCH_TABLE, table=clip(name, 200), tables=sorted(self.d.tables)))
-        if t.state != "ready":
-            if params.get("wait") is True and t.state != "failed":
+            return Reply(protocol.error(protocol.NO_SUCH_TABLE, table=clip(name, 200), tables=sorted(served)))
+        if t.state is not State.READY:
+            if params.get("wait") is True and t.state is not State.FAILED:
                 self.waiters.setdefault(name, []).append(conn)
-                conn.pending += 1
                 return PENDING
             return Reply(protocol.error(protocol.NOT_READY, **t.progress()))
         return self.attach_reply(conn, t)
 
     # -- bookkeeping -------------------------------------------------------------------------
 
-    def answer(self, conn: Session, reply: Reply) -> None:
-        """The later reply to a call that got PENDING."""
-        conn.pending = max(0, conn.pending - 1)
-        if self.d.server is not None:
-            self.d.server.send(conn, reply)
-            self.d.server.resume(conn)
-
-    def table_ready(self, t: "TableState") -> None:
+    def table_ready(self, t: TableState) -> None:
         for conn in self.waiters.pop(t.name, []):
             self.answer(conn, self.attach_reply(conn, t))
 
-    def attach_reply(self, conn: Session, t: "TableState") -> Reply:
+    def attach_reply(self, conn: Session, t: TableState) -> Reply:
         """The reply carries the region (a read-only fd of its own, opened when it is queued); the client counts
         as attached once the kernel has accepted the message that carries it, not before."""
         # The manifest itself travels in the region's header; the reply names what the client must find there.
@@ -95,31 +103,22 @@ class Handlers:
         if first:
             log.info("client attached: table %s generation %d to %s; %d client(s) attached",
                      name, generation, conn.peer.describe(), self.attached_count())
-            if self.d.ready:
-                self.d.set_status(self.d.serving_line())
+            self.clients_changed()
 
     def attached_count(self) -> int:
-        server = self.d.server
-        return sum(1 for c in server.connections.values() if c.attached) if server else 0
-
-    def holders(self, name: str, generation: int) -> int:
-        server = self.d.server
-        return sum(1 for c in (server.connections.values() if server else ()) if c.attached.get(name) == generation)
+        return attached_count(self.connections())
 
     def on_close(self, conn: Session) -> None:
         for waiting in self.waiters.values():
             if conn in waiting:
                 waiting.remove(conn)
-        self.d.reloader.forget(conn)
+        self.reloader.forget(conn)
         if conn.attached:
             log.info("client detached: %s (table %s); %d client(s) attached", conn.peer.describe(),
                      ", ".join(conn.attached), self.attached_count())
-            if self.d.ready and not self.d.stopping.is_set():
-                self.d.set_status(self.d.serving_line())
+            self.clients_changed()
 
     def status_dict(self) -> dict:
-        server = self.d.server
-        return tables.status_reply(started=self.d.started, socket=self.d.config.socket,
-                                   tables=list(self.d.tables.values()),
-                                   connections=server.connections.values() if server else (),
-                                   reload=self.d.reloader.progress())
+        return tables.status_reply(started=self.started, socket=self.registry.config.socket,
+                                   tables=list(self.registry.tables.values()), connections=self.connections(),
+                                   reload=self.reloader.progress())

@@ -1,16 +1,20 @@
 """``pled serve``: the daemon's life cycle, in one place.
 
     start:  raise the open-file limit, install the signal handlers (they only record the signal), open
-            and plan every table (planning.py), adopt what systemd's fd store holds (fdstore.py), preflight
-            the rest, listen (server.py), stage in a worker thread (stager.py)
+            and plan every table once, adopt what systemd's fd store holds, preflight the rest
+            (startup.py), listen (server.py), stage the rest in a worker thread (stager.py)
     serve:  the loop (loop.py) over the signal pipe, the stager's event pipe and the clients; the calls
-            are answered by handlers.py, a reload runs through reload.py; each tick feeds systemd
-            (STATUS=, EXTEND_TIMEOUT_USEC= while staging makes progress, WATCHDOG=1) and checks residency
+            are answered by handlers.py, a reload runs through reload.py, every staging's end goes through
+            the registry (registry.py), which alone changes the tables, their generations and the config;
+            each tick feeds systemd (STATUS=, EXTEND_TIMEOUT_USEC= while staging makes progress,
+            WATCHDOG=1) and checks residency
     stop:   on SIGTERM, SIGINT or SIGQUIT, or when the first staging fails: close the listener (a client
             connecting now is refused, not kept waiting), close the clients, wait a few seconds at most for
             the worker threads (a read of a hung file system never returns: that staging is abandoned, named
             in the log, and the process's exit frees its memfd), release the tables (systemd's fd store keeps
             them for the next start)
+
+The Daemon builds the parts and wires them with explicit callbacks; none of them holds the Daemon.
 
 Signals: the handlers only record the signal; the loop dispatches it by name, as gunicorn's arbiter does
 (SIGHUP -> ``handle_hup``). Every asynchronous signal that would otherwise end pled without a word:
@@ -33,18 +37,19 @@ import threading
 import time
 
 from pled import __version__
-from pled.daemon import fdlimit, fdstore, hostmem, notify, planning, tables as tables_mod
+from pled.daemon import fdlimit, fdstore, handlers, hostmem, notify, startup, tables as tables_mod
 from pled.daemon.access import Policy
 from pled.daemon.config import Config
-from pled.shared.errors import PledError
+from pled.daemon.events import Event, Planned, PlanningFailed
 from pled.daemon.handlers import Handlers
 from pled.daemon.loop import Loop, drain
-from pled.shared.region import Region
+from pled.daemon.registry import Registry
 from pled.daemon.reload import Reloader
 from pled.daemon.server import Server
-from pled.shared.sizes import gib
+from pled.daemon.session import Reply, Session
 from pled.daemon.stager import Stager
-from pled.daemon.tables import TableState
+from pled.daemon.tables import State
+from pled.shared.sizes import gib
 
 log = logging.getLogger(__name__)
 
@@ -54,33 +59,30 @@ RESIDENCY_EVERY = 60.0
 SIGNALS = ("SIGTERM", "SIGINT", "SIGQUIT", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGALRM")
 
 
-
 class Daemon:
     def __init__(self, config: Config, *, proc_root: str = "/", sys_root: str = "/", env: dict | None = None) -> None:
-        self.config = config
         self.proc_root = proc_root
-        self.sys_root = sys_root
         self.env = os.environ if env is None else env
-        self.tables: dict[str, TableState] = {}
+        self.started = time.monotonic()
+        self.ready = False
+        self.stopping = threading.Event()
         self.server: Server | None = None
         self.notifier = notify.Notifier(self.env)
         self.fdstore = fdstore.FdStore(self.notifier, self.env, config.fdstore_max)
-        self.stopping = threading.Event()
-        self.stager = Stager(self.stopping)
-        self.handlers = Handlers(self)
-        self.reloader = Reloader(self)
-        self.started = time.monotonic()
-        self.ready = False
+        self.registry = Registry(config, self.fdstore, holders=self._holders)
+        self.stager = Stager(self.stopping, sys_root)
+        self.reloader = Reloader(self.registry, self.stager, self.notifier, proc_root=proc_root, stopping=self.stopping,
+                                 answer=self._answer_later, announce=self.announce_ready,
+                                 config_changed=self._config_changed)
+        self.handlers = Handlers(self.registry, self.reloader, answer=self._answer_later, connections=self._connections,
+                                 clients_changed=self._clients_changed, started=self.started)
+        self.first_staging = startup.FirstStaging(self.registry, self.handlers, self.notifier, self.stopping,
+                                                  all_ready=self._on_all_ready)
         self._signals: list[int] = []
-        self._exit = 0
         self._next_watchdog = 0.0
         self._next_residency = 0.0
         self._extended = (0.0, -1)  # (when, bytes_done) at the last EXTEND_TIMEOUT_USEC
         self._status_sent = ""
-
-    @property
-    def regions(self) -> dict[str, Region]:
-        return {n: t.region for n, t in self.tables.items() if t.region is not None}
 
     # -- life cycle --------------------------------------------------------------------------
 
@@ -91,24 +93,23 @@ class Daemon:
         old = {name: signal.signal(getattr(signal, name), self._record) for name in SIGNALS}
         loop = Loop()
         try:
-            log.info("pled %s (pid %d) starting with %s: %d table(s)", __version__, os.getpid(), self.config.source,
-                     len(self.config.tables))
-            self._prepare(notify.listen_fds(self.env))
-            self.server = Server(self.config.socket, Policy.for_this_process(self.config.allow_uids, self.config.allow_gids),
-                                 self.handlers, self.handlers.on_close, max_connections=fdlimit.max_connections(nofile),
+            config = self.registry.config
+            log.info("pled %s (pid %d) starting with %s: %d table(s)", __version__, os.getpid(), config.source,
+                     len(config.tables))
+            to_stage = startup.prepare(self.registry, self.fdstore, self.notifier, fdstore.listen_fds(self.env),
+                                       self.proc_root)
+            self.server = Server(config.socket, Policy.for_this_process(config.allow_uids, config.allow_gids),
+                                 self.handlers, self.handlers.on_close, loop,
+                                 max_connections=fdlimit.max_connections(nofile),
                                  max_fds_per_uid=fdlimit.max_fds_in_flight(nofile))
-            log.info("listening on %s", self.config.socket)
-            self.stage([t for t in self.tables.values() if t.state != "ready"])
-            if all(t.state == "ready" for t in self.tables.values()):
+            log.info("listening on %s", config.socket)
+            self.stager.stage(to_stage, self.first_staging, config)
+            if self.registry.all_ready():
                 self._on_all_ready()
-            loop.watch(wake_r, lambda: self._dispatch_signals(wake_r))
-            loop.watch(self.stager.event_fd, self._drain_events)
-            self.server.register(loop.sel)
-            try:
-                loop.run(self.stopping, min(1.0, self.notifier.watchdog_interval or 1.0), self._tick)
-            finally:
-                self.server.unregister()
-            return self._exit
+            loop.watch(wake_r, lambda _events: self._dispatch_signals(wake_r))
+            loop.watch(self.stager.event_fd, lambda _events: self._drain_events())
+            loop.run(self.stopping, min(1.0, self.notifier.watchdog_interval or 1.0), self._tick)
+            return self.first_staging.exit_status
         finally:
             self._shut_down()
             loop.close()
@@ -126,49 +127,13 @@ class Daemon:
         self._drain_events()
         if self.reloader.current is not None:
             self.reloader.fail("pled is stopping")
-        held = self.regions
+        held = self.registry.release_all()
         if held:
             stored = " (systemd's fd store keeps them for the next start)" if self.notifier.enabled else ""
             log.info("stopped: released %d table(s), %s%s", len(held),
-                     gib(sum(r.manifest.region_bytes for r in held.values())), stored)
-        for r in held.values():
-            r.close()
+                     gib(sum(r.manifest.region_bytes for r in held)), stored)
         self.notifier.close()
         self.stager.close()
-
-    def _prepare(self, stored: list[notify.StoredFd]) -> None:
-        try:
-            sidecars = planning.open_tables(self.config)
-        except PledError:
-            for item in stored:  # keep systemd's copies: a fixed config may adopt them next time
-                os.close(item.fd)
-            raise
-        planned = planning.plan_tables(sidecars)
-        sorted_fds = fdstore.adopt_stored(stored, planned, self.fdstore)
-        for name, sidecar in sidecars.items():
-            t = TableState(name, sidecar, planned[name], generation=sorted_fds.generations.get(name, 1))
-            if name in sorted_fds.adopted:
-                t.region, t.generation = sorted_fds.adopted[name]
-                t.manifest = t.region.manifest  # with the content digests computed when it was staged
-                t.state, t.origin, t.shards_done = "ready", "adopted", len(t.manifest.shards)
-                log.info("table %s adopted from systemd's fd store: generation %d, %s, 0 bytes copied, sources unchanged",
-                         name, t.generation, gib(t.manifest.region_bytes))
-            self.tables[name] = t
-        to_stage = {n: t.manifest for n, t in self.tables.items() if t.state != "ready"}
-        self.fdstore.announce(list(to_stage))
-        if not to_stage:
-            return
-        verdict = planning.run_preflight(self.config, to_stage, self.proc_root)
-        for problem in verdict.problems:
-            log.warning("preflight could not read %s", problem)
-        (log.info if verdict.ok else log.error)("%s", verdict.message)
-        if not verdict.ok:
-            self.notifier.status(verdict.message)
-        verdict.raise_if_refused()
-
-    def stage(self, states: list[TableState]) -> None:
-        self.stager.stage(states, huge_pages=self.config.huge_pages, sys_root=self.sys_root,
-                          bandwidth=self.config.staging_bandwidth)
 
     # -- signals: the handler records, the loop dispatches by name ----------------------------
 
@@ -209,47 +174,32 @@ class Daemon:
         log.info("SIGALRM: ignored (pled gives it no meaning)")
 
     def handle_hup(self) -> None:
-        log.info("SIGHUP: reloading %s", self.config.source)
+        log.info("SIGHUP: reloading %s", self.registry.config.source)
         self.reloader.begin(None)
 
     # -- what the worker threads report -------------------------------------------------------
 
     def _drain_events(self) -> None:
-        for kind, t, payload in self.stager.events():
+        for event in self.stager.posted():
             try:
-                if kind == "planned":
-                    self.reloader.on_planned(payload)
-                elif self.reloader.owns(t):
-                    self.reloader.on_event(kind, t, payload)
-                else:
-                    self._first_staging_event(kind, t, payload)
+                self._handle(event)
             except Exception as err:  # one event's trouble: a reload fails, the loop goes on
-                log.exception("handling the %s event of %s failed", kind, getattr(t, "name", "a reload"))
+                t = getattr(event, "table", None)
+                log.exception("handling the %s event of %s failed", type(event).__name__, t.name if t else "a reload")
                 if self.reloader.current is not None and (t is None or self.reloader.owns(t)):
                     self.reloader.fail(f"{type(err).__name__}: {err}")
 
-    def _first_staging_event(self, kind: str, t: TableState, payload) -> None:
-        if kind == "ready":
-            t.staged(payload)
-            self.fdstore.store(t.name, t.generation, payload)
-            self.handlers.table_ready(t)
-            if all(x.state == "ready" for x in self.tables.values()):
-                self._on_all_ready()
-        elif kind == "failed":
-            t.state, t.error = "failed", str(payload)
-            log.error("staging table %s failed: %s", t.name, payload)
-            self.notifier.status(f"failed: table {t.name}: {payload}")
-            self._exit = getattr(payload, "exit_status", 1) or 1
-            self.stopping.set()
+    def _handle(self, event: Event) -> None:
+        if isinstance(event, (Planned, PlanningFailed)):
+            self.reloader.planned(event)
         else:
-            t.state = "waiting"
-            log.info("%s", payload)
+            self.registry.staging_ended(event)  # the first staging's tables and a reload's alike
 
     def _on_all_ready(self) -> None:
         if self.stopping.is_set() or self.ready:
             return
         self.ready = True
-        tables = list(self.tables.values())
+        tables = list(self.registry.tables.values())
         total = sum(t.manifest.region_bytes for t in tables)
         copied = sum(t.bytes_done for t in tables)
         seconds = time.monotonic() - self.started
@@ -258,19 +208,37 @@ class Daemon:
             t.measure()
         log.info("ready: %d table(s), %s in sealed memfds (%d adopted, %s copied) in %.1f s; pled's own memory %s RSS; "
                  "serving on %s", len(tables), gib(total), sum(t.origin == "adopted" for t in tables), gib(copied),
-                 seconds, gib(rss), self.config.socket)
+                 seconds, gib(rss), self.registry.config.socket)
         self._next_residency = time.monotonic() + RESIDENCY_EVERY
         self.announce_ready()
+        self.reloader.serving()  # reloads may run now, and one asked for meanwhile does
 
     def announce_ready(self) -> None:
-        """READY=1 with what is served; then a reload asked for (SIGHUP) while this was not possible."""
-        if self.stopping.is_set():  # never READY=1 after STOPPING=1
+        """READY=1 with what is served (never after STOPPING=1)."""
+        if self.stopping.is_set():
             return
         self._status_sent = self.serving_line()
         self.notifier.ready(self._status_sent)
-        if self.reloader.again and self.reloader.current is None:
-            self.reloader.again = False
-            self.reloader.begin(None)
+
+    # -- what the parts are given: the server's connections, a later reply, the config in force --
+
+    def _connections(self) -> list[Session]:
+        return list(self.server.connections.values()) if self.server is not None else []
+
+    def _holders(self, name: str, generation: int) -> int:
+        return handlers.holders(self._connections(), name, generation)
+
+    def _answer_later(self, conn: Session, reply: Reply) -> None:
+        if self.server is not None:
+            self.server.answer(conn, reply)
+
+    def _clients_changed(self) -> None:
+        if self.ready and not self.stopping.is_set():
+            self.set_status(self.serving_line())
+
+    def _config_changed(self, config: Config) -> None:
+        if self.server is not None:
+            self.server.policy = Policy.for_this_process(config.allow_uids, config.allow_gids)
 
     # -- each turn of the loop: systemd and residency -----------------------------------------
 
@@ -281,7 +249,8 @@ class Daemon:
         if self.notifier.watchdog_interval and now >= self._next_watchdog and self._healthy():
             self.notifier.watchdog()
             self._next_watchdog = now + self.notifier.watchdog_interval
-        staging_now = [t for t in list(self.tables.values()) + self.reloader.staging() if t.state == "staging"]
+        tables = list(self.registry.tables.values())
+        staging_now = [t for t in tables + list(self.registry.next.values()) if t.state is State.STAGING]
         if staging_now:  # a reload's stagings extend its timeout too
             t = staging_now[0]
             when, done = self._extended
@@ -293,17 +262,16 @@ class Daemon:
                             f"{gib(t.bytes_done)} of {gib(t.manifest.source_bytes)}")
         elif self.ready and now >= self._next_residency:
             self._next_residency = now + RESIDENCY_EVERY
-            tables_mod.check_residency(list(self.tables.values()))
+            tables_mod.check_residency(tables)
             self.set_status(self.serving_line())
 
     def _healthy(self) -> bool:
-        return not any(t.state == "failed" for t in self.tables.values())
+        return not any(t.state is State.FAILED for t in self.registry.tables.values())
 
     def serving_line(self) -> str:
-        return tables_mod.serving_line(list(self.tables.values()), self.handlers.attached_count())
+        return tables_mod.serving_line(list(self.registry.tables.values()), self.handlers.attached_count())
 
     def set_status(self, text: str) -> None:
         if text != self._status_sent:
             self.notifier.status(text)
             self._status_sent = text
-

@@ -1,11 +1,12 @@
-"""Talking to systemd: sd_notify messages and the file descriptor store.
+"""Talking to systemd: sd_notify messages (READY=1, STATUS=, WATCHDOG=1, FDSTORE=1, ...).
 
 sd_notify's protocol is one datagram per message on an AF_UNIX socket named by NOTIFY_SOCKET (a path,
 or an abstract address written with a leading '@'), its text UTF-8. One datagram socket sends every
 message; messages that carry a file descriptor (FDSTORE=1) pass it with SCM_RIGHTS in the same sendmsg.
 Without NOTIFY_SOCKET every call is a silent no-op, so the same program runs in a terminal. A failure
 names the socket and is logged once (until a message gets through again), never raised: systemd being
-unreachable must not stop pled from serving.
+unreachable must not stop pled from serving. What pled keeps in systemd's fd store, under which names, and
+what systemd hands back at start (LISTEN_FDS) are fdstore.py's.
 """
 from __future__ import annotations
 
@@ -13,15 +14,12 @@ import array
 import logging
 import os
 import socket
-from dataclasses import dataclass
 
 from pled.shared.boundary import printable
 
 log = logging.getLogger(__name__)
 
 SCM_MAX_FD = 253  # the kernel refuses more fds than this in one message
-FDS_START = 3  # SD_LISTEN_FDS_START
-FDNAME_PREFIX = "pled"
 
 
 def socket_address(name: str) -> str:
@@ -117,47 +115,3 @@ def _watchdog_interval(env) -> float | None:
         log.warning("ignoring WATCHDOG_USEC=%r: not a number", usec)
         return None
     return value / 2e6 if value > 0 else None
-
-
-def fd_name(table: str, generation: int) -> str:
-    """FDNAME for a table's region: 'pled.<generation>.<table>' (fd names may not hold ':')."""
-    return f"{FDNAME_PREFIX}.{generation}.{table}"
-
-
-def parse_fd_name(name: str) -> tuple[str, int] | None:
-    parts = name.split(".", 2)
-    if len(parts) != 3 or parts[0] != FDNAME_PREFIX or not parts[1].isdigit():
-        return None
-    return parts[2], int(parts[1])
-
-
-@dataclass(frozen=True)
-class StoredFd:
-    fd: int
-    name: str
-
-
-def listen_fds(env: dict | None = None, unset: bool = True) -> list[StoredFd]:
-    """The fds systemd passed us (LISTEN_FDS/LISTEN_FDNAMES), if they are meant for this process.
-
-    As sd_listen_fds_with_names(unset_environment=1): the variables are removed so that no child
-    inherits them, and each fd is marked close-on-exec.
-    """
-    env = os.environ if env is None else env
-    pid, count, names = env.get("LISTEN_PID"), env.get("LISTEN_FDS", "0"), env.get("LISTEN_FDNAMES", "")
-    if unset:
-        for key in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
-            env.pop(key, None)
-    if pid != str(os.getpid()) or not count.isdigit():
-        return []
-    labels = names.split(":") if names else []
-    out = []
-    for i in range(int(count)):
-        fd = FDS_START + i
-        try:
-            os.set_inheritable(fd, False)
-        except OSError:
-            log.warning("LISTEN_FDS names fd %d but it is not open; ignoring it", fd)
-            continue
-        out.append(StoredFd(fd, labels[i] if i < len(labels) else "unknown"))
-    return out

@@ -2,180 +2,175 @@
 
 The states, each handled in the loop thread:
 
-    idle --begin--> planning --planned--> staging --every table ready--> (commit) --> idle
+    idle --begin--> planning --Planned--> staging --every table ready--> (commit) --> idle
                         |                    |
-                        +--refused/bug-------+--a staging failed/stopped--> (fail: nothing changed) --> idle
+                        +--PlanningFailed----+--a staging failed/cancelled--> (fail: nothing changed) --> idle
 
 Planning (re-reading the config, opening every table's files, reading their headers, the preflight) runs in
 a worker thread (stager.Stager.run), so a slow or hostile sidecar never delays an Attach or a Status. Any
 exception there, or while committing, fails the reload and is logged once; the served tables stay as they
-were. A reload asked for while one is under way is answered with that one's result (io.pled.Reload), or
-runs once it is done (SIGHUP).
+were. The registry holds the tables and makes the switch; the Reloader holds who asked and when, and is the
+``StagingOwner`` of the next generations. A reload asked for while one is under way is answered with that
+one's result (io.pled.Reload); one asked for by SIGHUP while a reload or the first staging is under way runs
+once it is done.
 """
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Callable
 
-from pled.daemon import notify, planning
-from pled.shared import protocol
-from pled.daemon.access import Policy
-from pled.shared.boundary import clip
+from pled.daemon import planning
 from pled.daemon.config import Config
-from pled.daemon.session import Reply, Session
-from pled.shared.errors import PledError
+from pled.daemon.events import Planned, PlanningFailed
+from pled.daemon.notify import Notifier
+from pled.daemon.planning import ReloadPlan
+from pled.daemon.registry import Registry
 from pled.daemon.server import PENDING
-from pled.daemon.tables import TableState
-
-if TYPE_CHECKING:
-    from pled.daemon.lifecycle import Daemon
+from pled.daemon.session import Reply, Session
+from pled.daemon.stager import Stager
+from pled.daemon.tables import State, TableState
+from pled.shared import protocol
+from pled.shared.boundary import clip
+from pled.shared.errors import PledError
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
 class Reload:
-    """A reload under way: the tables being staged as new generations next to the ones being served."""
+    """A reload under way: who asked, since when, and its plan once it is made."""
 
-    config: Config | None  # None while planning
-    tables: dict[str, TableState] = field(default_factory=dict)  # new or changed tables, staging
-    unchanged: list[str] = field(default_factory=list)
-    removed: list[str] = field(default_factory=list)
-    callers: list[Session] = field(default_factory=list)
+    callers: list[Session]
+    plan: ReloadPlan | None = None  # None while planning
     started: float = field(default_factory=time.monotonic)
 
-    def summary(self, old: dict[str, TableState]) -> dict:
-        return {
-            "changed": sorted(n for n in self.tables if n in old), "added": sorted(n for n in self.tables if n not in old),
-            "removed": sorted(self.removed), "unchanged": sorted(self.unchanged),
-            "generations": {n: t.generation for n, t in self.tables.items()},
-        }
+
+def summary(plan: ReloadPlan, fresh: dict[str, TableState], served: dict[str, TableState]) -> dict:
+    """The io.pled.Reload reply: what changed, was added, removed or left alone, and the new generations."""
+    return {
+        "changed": sorted(n for n in fresh if n in served), "added": sorted(n for n in fresh if n not in served),
+        "removed": sorted(plan.removed), "unchanged": sorted(plan.unchanged),
+        "generations": {n: t.generation for n, t in fresh.items()},
+    }
 
 
 class Reloader:
-    def __init__(self, daemon: "Daemon") -> None:
-        self.d = daemon
+    def __init__(self, registry: Registry, stager: Stager, notifier: Notifier, *, proc_root: str,
+                 stopping: threading.Event, answer: Callable[[Session, Reply], None], announce: Callable[[], None],
+                 config_changed: Callable[[Config], None]) -> None:
+        """``answer(conn, reply)`` sends a caller's later reply; ``announce()`` sends READY=1 and what is served
+        once a reload has ended; ``config_changed(config)`` is told of the config a reload put in force."""
+        self.registry = registry
+        self.stager = stager
+        self.notifier = notifier
+        self.proc_root = proc_root
+        self.stopping = stopping
+        self.answer = answer
+        self.announce = announce
+        self.config_changed = config_changed
         self.current: Reload | None = None
-        self.again = False  # a SIGHUP came while a reload or the first staging was under way
+        self._serving = False  # the first staging is done: reloads may run
+        self._again = False  # a SIGHUP came while a reload or the first staging was under way
 
     def begin(self, caller: Session | None):
         """Start a reload; returns PENDING (the caller is answered later), an error Reply, or None (SIGHUP)."""
-        d = self.d
-        if self.current is not None or not d.ready:
+        if self.current is not None or not self._serving:
             if caller is None:
-                self.again = True
+                self._again = True
                 log.info("a reload or the first staging is under way; reloading again once it is done")
                 return None
             if self.current is not None:
                 self.current.callers.append(caller)  # it will answer this caller too
                 return PENDING
             return Reply(protocol.error(protocol.RELOAD_FAILED, reason="the first staging is still under way; try again"))
-        d.notifier.send("RELOADING=1", f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}",
-                        f"STATUS=reloading {d.config.source}")
-        self.current = Reload(None, callers=[caller] if caller else [])
-        served = {n: t.manifest.identity() for n, t in d.tables.items()}
-        d.stager.run("planned", planning.plan_reload, d.config.source, served, d.proc_root)
+        source = self.registry.config.source
+        self.notifier.send("RELOADING=1", f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}",
+                           f"STATUS=reloading {source}")
+        self.current = Reload(callers=[caller] if caller else [])
+        served = self.registry.identities()
+        self.stager.run("planned", lambda: Planned(planning.plan_reload(source, served, self.proc_root)),
+                        on_error=PlanningFailed)
         return PENDING if caller else None
 
-    def on_planned(self, result) -> None:
-        r = self.current
-        if r is None:
+    def serving(self) -> None:
+        """The first staging is done and READY=1 sent: reloads may run, and one asked for meanwhile runs now."""
+        self._serving = True
+        self._run_deferred()
+
+    def _run_deferred(self) -> None:
+        if self._again and self.current is None and not self.stopping.is_set():
+            self._again = False
+            self.begin(None)
+
+    # -- what the worker threads report -------------------------------------------------------
+
+    def planned(self, event: Planned | PlanningFailed) -> None:
+        if self.current is None:
             return  # stopped meanwhile
-        if isinstance(result, BaseException):
-            self.fail(str(result) if isinstance(result, PledError) else f"{type(result).__name__}: {clip(result)}")
+        if isinstance(event, PlanningFailed):
+            err = event.error
+            self.fail(str(err) if isinstance(err, PledError) else f"{type(err).__name__}: {clip(err)}")
             return
-        d = self.d
-        if result.verdict is not None:
-            log.info("reload %s", result.verdict.message)
-        r.config, r.unchanged, r.removed = result.config, result.unchanged, result.removed
-        for name, (sidecar, manifest) in result.fresh.items():
-            old = d.tables.get(name)
-            r.tables[name] = TableState(name, sidecar, manifest, generation=(old.generation + 1) if old else 1)
-            log.info("reload: staging table %s as generation %d%s", name, r.tables[name].generation,
-                     f" next to generation {old.generation}" if old else " (new table)")
-        if r.tables:
-            d.stage(list(r.tables.values()))
+        plan = self.current.plan = event.plan
+        if plan.verdict is not None:
+            log.info("reload %s", plan.verdict.message)
+        fresh = self.registry.stage_next(plan.fresh)
+        if fresh:
+            self.stager.stage(fresh, self, self.registry.config)  # the served config's settings, until the switch
         else:
             self.commit()
 
     def owns(self, t: TableState) -> bool:
-        return self.current is not None and t in self.current.tables.values()
+        return self.current is not None and self.registry.next.get(t.name) is t
 
-    def on_event(self, kind: str, t: TableState, payload) -> None:
-        if kind == "ready":
-            t.staged(payload)
-            if all(x.state == "ready" for x in self.current.tables.values()):
-                self.commit()
-        elif kind == "failed":
-            t.state, t.error = "failed", str(payload)
-            self.fail(f"staging table {t.name} failed: {payload}")
-        else:
-            self.fail(str(payload))
+    def table_ready(self, t: TableState) -> None:
+        if all(x.state is State.READY for x in self.registry.next.values()):
+            self.commit()
+
+    def table_failed(self, t: TableState, error: BaseException) -> None:
+        self.fail(f"staging table {t.name} failed: {error}")
+
+    def table_cancelled(self, t: TableState, reason: str) -> None:
+        self.fail(reason)
+
+    # -- the end of a reload -----------------------------------------------------------------
 
     def commit(self) -> None:
         """The switch: new attaches get the new generations; the old regions are let go."""
-        d, r = self.d, self.current
-        self.current = None
-        summary = r.summary(d.tables)
-        for name in r.removed:  # first, so that their fd-store slots are free for the new generations
-            self._release(d.tables.pop(name), "removed from the config: no longer offered")
-        for name, new in r.tables.items():
-            old = d.tables.get(name)
-            d.tables[name] = new
-            if old is not None:
-                self._release(old, f"generation {new.generation} now served")
-            d.fdstore.store(name, new.generation, new.region)
-        config = r.config
-        if config.socket != d.config.socket:
-            log.warning("the socket moved to %s in the config; pled keeps serving on %s until it restarts",
-                        config.socket, d.config.socket)
-            source = d.config.source
-            config = config.model_copy(update={"socket": d.config.socket})
-            config._source = source
-        d.config = config
-        if d.server is not None:
-            d.server.policy = Policy.for_this_process(config.allow_uids, config.allow_gids)
+        r, self.current = self.current, None
+        reply = summary(r.plan, dict(self.registry.next), dict(self.registry.tables))
+        self.registry.switch(r.plan)
+        self.config_changed(self.registry.config)
         log.info("reload done in %.1f s: %s", time.monotonic() - r.started,
-                 ", ".join(f"{k} {', '.join(v)}" for k, v in summary.items() if v and k != "generations") or "nothing changed")
-        self._after(r.callers, Reply(protocol.reply(**summary)))
-
-    def _release(self, old: TableState, why: str) -> None:
-        holders = self.d.handlers.holders(old.name, old.generation)
-        self.d.fdstore.remove(notify.fd_name(old.name, old.generation))
-        old.region.close()
-        log.info("table %s generation %d released (%s); %d connected client(s) attached to it; its memory is freed "
-                 "when the last process that maps it or holds its fd lets it go", old.name, old.generation, why, holders)
+                 ", ".join(f"{k} {', '.join(v)}" for k, v in reply.items() if v and k != "generations") or "nothing changed")
+        self._after(r.callers, Reply(protocol.reply(**reply)))
 
     def fail(self, why: str) -> None:
         """Nothing changes: the new generations staged so far are let go, the callers told why."""
         r, self.current = self.current, None
-        callers = []
-        if r is not None:
-            callers = r.callers
-            for t in r.tables.values():
-                if t.region is not None:
-                    t.region.close()
+        self.registry.drop_next()
         log.error("reload failed, nothing changed: %s", why)
-        self._after(callers, Reply(protocol.error(protocol.RELOAD_FAILED, reason=clip(why, 2000))))
+        self._after(r.callers if r else [], Reply(protocol.error(protocol.RELOAD_FAILED, reason=clip(why, 2000))))
 
     def _after(self, callers: list[Session], reply: Reply) -> None:
         for conn in callers:
-            self.d.handlers.answer(conn, reply)
-        self.d.announce_ready()  # READY=1 again, and a reload that was asked for meanwhile
+            self.answer(conn, reply)
+        if self.stopping.is_set():  # never READY=1 after STOPPING=1
+            return
+        self.announce()  # READY=1 again
+        self._run_deferred()  # and a reload that was asked for meanwhile
 
     def forget(self, conn: Session) -> None:
         if self.current is not None and conn in self.current.callers:
             self.current.callers.remove(conn)
 
-    def staging(self) -> list[TableState]:
-        return list(self.current.tables.values()) if self.current else []
-
     def progress(self) -> dict | None:
         r = self.current
         if r is None:
             return None
-        return {"state": "planning" if r.config is None else "staging",
-                "tables": [t.progress() | {"generation": t.generation} for t in r.tables.values()],
-                "removed": r.removed, "seconds": round(time.monotonic() - r.started, 1)}
+        return {"state": "planning" if r.plan is None else "staging",
+                "tables": [t.progress() | {"generation": t.generation} for t in self.registry.next.values()],
+                "removed": r.plan.removed if r.plan else [], "seconds": round(time.monotonic() - r.started, 1)}

@@ -5,13 +5,14 @@ with half a message, or an unread reply, older than CALL_TIMEOUT is dropped, and
 unread replies or fds in flight (session.py). Connections are capped below the open-file limit, per uid too
 (fdlimit.py): at the cap an idle one (no table, no call) makes room, and while accept() finds no fd the listener
 rests. Whatever goes wrong with one connection, a bug included, ends in its error reply or its drop, logged,
-never in the loop. A client stays connected while it holds a table: its close is the detach.
+never in the loop. A client stays connected while it holds a table: its close is the detach. The listener and
+the connections are watched through the daemon's Loop (loop.py), from the server's start until it stops
+listening or closes.
 """
 from __future__ import annotations
 
 import errno
 import logging
-import selectors
 import socket
 import stat
 import os
@@ -25,6 +26,7 @@ from pled.shared.boundary import clip
 from pled.daemon.session import (CALL_TIMEOUT, MAX_UNREAD, MAX_UNREAD_PER_UID, Outgoing, Reply, Session,
                                  fd_budget_drops)
 from pled.daemon.listener import bind
+from pled.daemon.loop import READ, WRITE, Loop
 from pled.daemon.throttle import Throttle
 
 __all__ = ["CALL_TIMEOUT", "Session", "PENDING", "Reply", "Server"]
@@ -33,15 +35,15 @@ log = logging.getLogger(__name__)
 
 ACCEPT_PAUSE = 0.5  # seconds the listener rests after accept() found no fd free
 MAX_HELD = 64  # calls a client may send behind one still waiting for its answer
-PENDING = object()  # a handler's answer when the reply comes later (Attach with wait)
+PENDING = object()  # a handler's answer when the reply comes later (Attach with wait, Reload): see answer()
 
 
 Handler = Callable[[Session, str, dict], "Reply | object"]
 
 
 class Server:
-    def __init__(self, path: str, policy: Policy, handler: Handler, on_close: Callable[[Session], None], *,
-                 max_connections: int, max_fds_per_uid: int) -> None:
+    def __init__(self, path: str, policy: Policy, handler: Handler, on_close: Callable[[Session], None], loop: Loop,
+                 *, max_connections: int, max_fds_per_uid: int) -> None:
         self.path = path
         self.policy = policy
         self.handler = handler
@@ -50,30 +52,27 @@ class Server:
         self.max_fds_per_uid = max_fds_per_uid
         self.listener = bind(path)
         self.connections: dict[int, Session] = {}
-        self._sel: selectors.BaseSelector | None = None
         self._paused_until: float | None = None  # the listener rests while no fd is free
         self._throttle = Throttle()
+        self._loop: Loop | None = loop  # None once the server has left the loop: nothing more is read or sent
+        loop.watch(self.listener, self._accept)
 
-    def register(self, sel: selectors.BaseSelector) -> None:
-        self._sel = sel
-        sel.register(self.listener, selectors.EVENT_READ, self._accept)
-
-    def unregister(self) -> None:
-        """Leave the selector (before it closes); the sockets stay open until close()."""
-        if self._sel is not None:
+    def _leave_loop(self) -> None:
+        """Stop watching every socket; they stay open until close()."""
+        if self._loop is not None:
             for conn in self.connections.values():
-                self._sel.unregister(conn.sock)
+                self._loop.unwatch(conn.sock)
             if self._paused_until is None:
-                self._sel.unregister(self.listener)
-            self._sel = None
+                self._loop.unwatch(self.listener)
+            self._loop = None
 
     def stop_listening(self) -> None:
         """pled is stopping: from now on a client is refused (ECONNREFUSED), not kept waiting; close() does the rest."""
-        self.unregister()
+        self._leave_loop()
         self.listener.close()
 
     def close(self) -> None:
-        self.unregister()
+        self._leave_loop()
         for conn in list(self.connections.values()):
             self._drop(conn, None)
         self.listener.close()
@@ -108,7 +107,7 @@ class Server:
                 continue
             conn = Session(sock, peer, self.policy.allows(peer))
             self.connections[conn.fd] = conn
-            self._sel.register(sock, selectors.EVENT_READ, lambda mask, c=conn: self._ready(c, mask))
+            self._loop.watch(sock, lambda mask, c=conn: self._ready(c, mask))
             log.debug("client connected: %s", peer.describe())
 
     def _admit(self, peer) -> bool:
@@ -134,25 +133,25 @@ class Server:
 
     def _pause(self, err: OSError) -> None:
         """No fd for a new client: stop watching the listener for a moment instead of spinning on it."""
-        if self._paused_until is None and self._sel is not None:
-            self._sel.unregister(self.listener)
+        if self._paused_until is None and self._loop is not None:
+            self._loop.unwatch(self.listener)
         self._paused_until = time.monotonic() + ACCEPT_PAUSE
         self._throttle.log("pause", log.warning, "cannot accept clients: %s with %d connections open; accepting "
                            "again once an fd is free (raise LimitNOFILE= if this persists)", err.strerror,
                            len(self.connections))
 
     def _resume(self) -> None:
-        if self._paused_until is not None and self._sel is not None:
+        if self._paused_until is not None and self._loop is not None:
             self._paused_until = None
-            self._sel.register(self.listener, selectors.EVENT_READ, self._accept)
+            self._loop.watch(self.listener, self._accept)
 
     # -- reading and dispatching -------------------------------------------------------------
 
     def _ready(self, conn: Session, mask: int) -> None:
         try:
-            if mask & selectors.EVENT_WRITE:
+            if mask & WRITE:
                 self._flush(conn)
-            if mask & selectors.EVENT_READ and self._live(conn):
+            if mask & READ and self._live(conn):
                 self._read(conn)
             else:
                 self._pump(conn)  # the reply went: the calls that waited behind it
@@ -190,8 +189,11 @@ class Server:
             conn.stalled_since = time.monotonic()
         self._pump(conn)
 
-    def resume(self, conn: Session) -> None:
-        """A waiting call was answered: handle the calls received behind it (replies keep call order)."""
+    def answer(self, conn: Session, reply: Reply) -> None:
+        """The later reply to a call whose handler returned PENDING; then the calls received behind it (replies
+        keep call order)."""
+        conn.pending = max(0, conn.pending - 1)
+        self.send(conn, reply)
         self._ready(conn, 0)
 
     def _pump(self, conn: Session) -> None:
@@ -205,12 +207,8 @@ class Server:
     def _watch(self, conn: Session) -> None:
         """Write while a reply waits; read only when none does: a peer that does not read its replies gets
         no more of them, and its calls wait in its own socket buffer."""
-        if self._sel is None or self.connections.get(conn.fd) is not conn:
-            return
-        want = selectors.EVENT_WRITE if conn.out else selectors.EVENT_READ
-        key = self._sel.get_key(conn.sock)
-        if key.events != want:
-            self._sel.modify(conn.sock, want, key.data)
+        if self._loop is not None and self.connections.get(conn.fd) is conn:
+            self._loop.want(conn.sock, WRITE if conn.out else READ)
 
     def _dispatch(self, conn: Session, raw: bytes) -> None:
         if not conn.allowed:
@@ -229,7 +227,9 @@ class Server:
                                "%s from %s failed: %s", clip(method, 64), conn.peer.describe(), clip(err))
             result = Reply(protocol.error(protocol.INTERNAL_ERROR, method=clip(method, 64),
                                           reason=f"{type(err).__name__}: {clip(err)}"))
-        if result is not PENDING:
+        if result is PENDING:
+            conn.pending += 1  # answer() sends its reply
+        else:
             self.send(conn, result)
 
     def _fail(self, conn: Session, name: str, reason: str) -> None:
@@ -239,7 +239,7 @@ class Server:
     # -- replies -----------------------------------------------------------------------------
 
     def send(self, conn: Session, reply: Reply) -> None:
-        if self._sel is None or not self._live(conn):
+        if self._loop is None or not self._live(conn):
             return  # shutting down, or the peer is gone
         try:
             if reply.regions and not self._room_for_fds(conn, len(reply.regions)):
@@ -321,8 +321,8 @@ class Server:
         conn.discard()  # the fds of replies it will never read
         if why:
             self._throttle.log(("drop", conn.peer.pid), log.warning, "dropping %s: %s", conn.peer.describe(), why)
-        if self._sel is not None:
-            self._sel.unregister(conn.sock)
+        if self._loop is not None:
+            self._loop.unwatch(conn.sock)
         conn.sock.close()
         conn.closing = True
         self._resume()  # an fd is free again

@@ -1,10 +1,12 @@
 """The daemon's worker threads: staging tables, and the slow part of a reload (reading headers, planning).
 
-Nothing here touches the loop's state. Each result goes to the loop as an event, ``(kind, table, payload)``,
-through a queue and a pipe the loop watches: "ready" with the staged Region, "failed" with the error,
-"cancelled" with the reason; "planned" with a reload's plan or the exception that refused it. Every
-exception ends as an event (a bug included, logged with its traceback), never as a dead thread the loop
-would wait for.
+Nothing here touches the loop's state but a table's ``CopyProgress``, which the thread copying that table
+alone writes. Each result goes to the loop as an event (events.py) through a queue and a pipe the loop
+watches: ``Staged`` with the sealed Region, ``StagingFailed`` with the error, ``StagingCancelled`` with the
+reason, each naming the owner that asked for the staging; a job's own event (a reload's ``Planned``), or
+the event its ``on_error`` makes of the exception that ended it. Every exception ends as an event (a bug
+included, logged with its traceback), never as a dead thread the loop would wait for. ``close()`` is safe
+to repeat.
 """
 from __future__ import annotations
 
@@ -15,8 +17,10 @@ import threading
 import time
 from typing import Callable, Iterator
 
-from pled.daemon import staging
+from pled.daemon import events, staging
+from pled.daemon.config import Config
 from pled.daemon.loop import drain
+from pled.daemon.tables import TableState
 from pled.shared.errors import PledError
 from pled.shared.sizes import gib, rate
 
@@ -26,8 +30,9 @@ JOIN_SECONDS = 3.0  # at stop, how long to wait for the worker threads, all toge
 
 
 class Stager:
-    def __init__(self, stop: threading.Event) -> None:
+    def __init__(self, stop: threading.Event, sys_root: str = "/") -> None:
         self._stop = stop
+        self._sys_root = sys_root  # where the kernel's huge-page settings are read (tests use a fixture tree)
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self.event_fd, self._event_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._staging: list[threading.Thread] = []
@@ -38,7 +43,7 @@ class Stager:
 
     # -- posting (worker threads) ------------------------------------------------------------
 
-    def _post(self, event) -> None:
+    def _post(self, event: events.Event) -> None:
         self._events.put(event)
         with self._lock:
             if self._closed:
@@ -50,10 +55,13 @@ class Stager:
 
     # -- staging -----------------------------------------------------------------------------
 
-    def stage(self, states: list, *, huge_pages: str, sys_root: str, bandwidth: int | None) -> None:
-        if not states:
+    def stage(self, tables: list[TableState], owner: events.StagingOwner, config: Config) -> None:
+        """Stage ``tables`` one after another in a thread of their own, each from the plan it holds, with
+        ``config``'s huge-page setting and bandwidth; each end goes to ``owner`` (through the registry)."""
+        if not tables:
             return
-        worker = threading.Thread(target=self._stage_list, args=(states, huge_pages, sys_root, bandwidth),
+        worker = threading.Thread(target=self._stage_list, args=(tables, owner, config.huge_pages,
+                                                                 config.staging_bandwidth),
                                   name="pled-staging", daemon=True)
         self._staging = [w for w in self._staging if w.is_alive()] + [worker]
         worker.start()
@@ -64,59 +72,61 @@ class Stager:
         finally:
             self._reading.pop(threading.current_thread(), None)
 
-    def _stage_tables(self, states: list, huge_pages: str, sys_root: str, bandwidth: int | None) -> None:
+    def _stage_tables(self, tables: list[TableState], owner: events.StagingOwner, huge_pages: str,
+                      bandwidth: int | None) -> None:
         """One table after another; each result goes to the loop as an event."""
-        for t in states:
+        for t in tables:
             if self._stop.is_set():
                 break
-            t.state = "staging"
+            t.copy.begun = True
             n = len(t.manifest.shards)
             me = threading.current_thread()
             self._reading[me] = (t, time.monotonic())
 
             def on_shard(shard, offset, seconds, t=t, n=n):
-                t.shards_done += 1
-                t.bytes_done += shard.size
+                t.copy.shard_copied(shard.size)
                 self._reading[me] = (t, time.monotonic())
                 log.info("table %s: shard %d/%d %s %s in %.0f ms (%s)", t.name, shard.index + 1, n, shard.name,
                          gib(shard.size), seconds * 1000, rate(shard.size, seconds))
 
             try:
-                r = staging.stage(t.name, t.sidecar, huge_pages=huge_pages, sys_root=sys_root, on_shard=on_shard,
-                                  should_stop=self._stop.is_set, bandwidth=bandwidth)
+                r = staging.stage(t.name, t.sidecar, planned=t.manifest, huge_pages=huge_pages,
+                                  sys_root=self._sys_root, on_shard=on_shard, should_stop=self._stop.is_set,
+                                  bandwidth=bandwidth)
             except staging.StagingCancelled as err:
-                self._post(("cancelled", t, str(err)))
+                self._post(events.StagingCancelled(t, str(err), owner))
                 return
             except (PledError, OSError) as err:
-                self._post(("failed", t, err))
+                self._post(events.StagingFailed(t, err, owner))
                 return
             except Exception as err:  # the thread's boundary: a bug must fail the table, not hang the daemon
                 log.exception("staging table %s hit an unexpected error", t.name)
-                self._post(("failed", t, err))
+                self._post(events.StagingFailed(t, err, owner))
                 return
-            self._post(("ready", t, r))
+            self._post(events.Staged(t, r, owner))
 
     # -- other work off the loop -------------------------------------------------------------
 
-    def run(self, kind: str, fn: Callable, *args) -> None:
-        """Run ``fn(*args)`` in a thread; its result, or the exception it raised, comes back as (kind, None, x)."""
-        def job():
+    def run(self, name: str, job: Callable[[], events.Event],
+            on_error: Callable[[BaseException], events.Event]) -> None:
+        """Run ``job`` in a thread and post the event it returns, or ``on_error`` of the exception it raised."""
+        def work():
             try:
-                result = fn(*args)
+                event = job()
             except PledError as err:
-                result = err
+                event = on_error(err)
             except Exception as err:  # a bug: logged here with its traceback, reported as a failure
-                log.exception("%s failed unexpectedly", kind)
-                result = err
-            self._post((kind, None, result))
+                log.exception("%s failed unexpectedly", name)
+                event = on_error(err)
+            self._post(event)
 
-        worker = threading.Thread(target=job, name=f"pled-{kind}", daemon=True)
+        worker = threading.Thread(target=work, name=f"pled-{name}", daemon=True)
         self._jobs = [w for w in self._jobs if w.is_alive()] + [worker]
         worker.start()
 
     # -- the loop's side ---------------------------------------------------------------------
 
-    def events(self) -> Iterator[tuple]:
+    def posted(self) -> Iterator[events.Event]:
         """Every event posted so far (call when event_fd is readable, and at stop)."""
         drain(self.event_fd)
         while True:
@@ -142,14 +152,17 @@ class Stager:
         t, since = self._reading.get(worker, (None, time.monotonic()))
         if t is None:
             return "stopping without waiting for a staging thread that has not begun its first table"
-        n = len(t.manifest.shards)
-        where = (f"reading shard {t.shards_done + 1}/{n} ({os.path.basename(t.manifest.shards[t.shards_done].path)})"
-                 if t.shards_done < n else "checking the digests of its shards")
+        n, done = len(t.manifest.shards), t.copy.shards_done
+        where = (f"reading shard {done + 1}/{n} ({os.path.basename(t.manifest.shards[done].path)})"
+                 if done < n else "checking the digests of its shards")
         return (f"stopping without waiting for table {t.name}'s staging: it has been {where} for "
                 f"{time.monotonic() - since:.0f} s; its partial copy is discarded")
 
     def close(self) -> None:
+        """Close the event pipe, under the lock the workers write it with; safe to repeat."""
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
             for fd in (self.event_fd, self._event_w):
                 os.close(fd)

@@ -167,6 +167,7 @@ def stage(
     table: str,
     sidecar: Sidecar,
     *,
+    planned: Manifest | None = None,
     huge_pages: str = "auto",
     sys_root: str = "/",
     on_shard: Callable[[Shard, int, float], None] | None = None,
@@ -176,9 +177,10 @@ def stage(
     chunk: int = CHUNK,
 ) -> Region:
     """Stage ``sidecar`` into a new sealed memfd; the caller owns the returned Region.
+    ``planned``: the region's plan (the daemon's, made once by planning.py); planned here when not given.
     ``digests=False`` skips hashing (the benchmark's baseline for what hashing costs). ``chunk``: bytes copied
     (and dropped from the page cache) at a time; ``should_stop`` is asked before each chunk."""
-    planned = region.plan(table, sidecar)
+    planned = region.plan(table, sidecar) if planned is None else planned
     fill = _plan_fill_from(huge_pages, sys_root)
     fd = os.memfd_create(f"pled:{table}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:

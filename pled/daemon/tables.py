@@ -1,5 +1,10 @@
 """The tables pled holds: each one's state and generation, and how they are reported (Status, STATUS=).
 
+A ``TableState`` is made and changed by the registry (registry.py) in the loop thread, with one exception:
+while a staging thread copies the table it counts its progress in the table's ``CopyProgress``, which that
+thread alone writes. The state (``State``) follows from both: ready or failed once the registry says so,
+else staging once the copy has begun, else waiting.
+
 Status says whether each table's source files are still as staged (``sources``). That is a stat of every
 shard, and a file system can hang (an NFS or FUSE mount that stops answering): the stats run in a worker
 thread (SourceCheck), one check at a time per table, and the loop waits for one at most SOURCES_WAIT; past
@@ -12,10 +17,10 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 
 from pled import __version__
 from pled.shared import protocol, region
-from pled.daemon import staging
 from pled.shared.boundary import clip
 from pled.shared.pagecache import cached_bytes_fd
 from pled.shared.region import Region
@@ -89,25 +94,60 @@ class SourceCheck:
         return f"{answer[0]} (checked {now - answer[1]:.0f} s ago; {waiting})"
 
 
+class State(str, Enum):
+    """Where a table is: WAITING (planned) -> STAGING (its copy has begun) -> READY (sealed, served), or FAILED."""
+
+    WAITING = "waiting"
+    STAGING = "staging"
+    READY = "ready"
+    FAILED = "failed"
+
+
+@dataclass(eq=False)
+class CopyProgress:
+    """How far a staging thread has copied a table: that thread alone writes it, the loop only reads it."""
+
+    begun: bool = False
+    shards_done: int = 0
+    bytes_done: int = 0  # bytes copied from the sources by this process
+
+    def shard_copied(self, nbytes: int) -> None:
+        self.shards_done += 1
+        self.bytes_done += nbytes
+
+
 @dataclass(eq=False)
 class TableState:
     name: str
     sidecar: Sidecar
-    manifest: region.Manifest
+    manifest: region.Manifest  # as planned; once staged, the region's own (with the content digests)
     generation: int = 1
-    state: str = "waiting"  # waiting -> staging -> ready, or failed
     origin: str = "staged"  # or "adopted" from systemd's fd store
-    shards_done: int = 0
-    bytes_done: int = 0  # bytes copied from the sources by this process
+    copy: CopyProgress = field(default_factory=CopyProgress)
+    outcome: State | None = None  # READY or FAILED, set by the registry; None while planned or staging
     region: Region | None = None
     error: str = ""
     resident_share: float | None = None  # at the last check
     source_check: SourceCheck = field(default_factory=SourceCheck, repr=False)
 
+    @property
+    def state(self) -> State:
+        if self.outcome is not None:
+            return self.outcome
+        return State.STAGING if self.copy.begun else State.WAITING
+
+    @property
+    def shards_done(self) -> int:
+        return self.copy.shards_done
+
+    @property
+    def bytes_done(self) -> int:
+        return self.copy.bytes_done
+
     def progress(self) -> dict:
         return {
-            "table": self.name, "state": self.state, "shards_done": self.shards_done, "shards": len(self.manifest.shards),
-            "bytes_done": self.bytes_done, "bytes": self.manifest.source_bytes,
+            "table": self.name, "state": self.state.value, "shards_done": self.shards_done,
+            "shards": len(self.manifest.shards), "bytes_done": self.bytes_done, "bytes": self.manifest.source_bytes,
         }
 
     def measure(self) -> int:
@@ -115,10 +155,6 @@ class TableState:
         resident = cached_bytes_fd(self.region.fd)
         self.resident_share = resident / self.manifest.region_bytes
         return resident
-
-    def staged(self, r: Region) -> None:
-        self.region, self.state, self.manifest = r, "ready", r.manifest  # with its digests
-        log.info("%s", staging.describe_ready(r))
 
     def sources(self) -> str:
         """Whether the files this generation was staged from are still there as they were: from a worker

@@ -1,0 +1,83 @@
+"""pled's start, between installing the signal handlers and listening, and the first staging's owner.
+
+``prepare``: every configured table opened and planned, once (planning.py); the regions systemd's fd store
+kept adopted where they match that plan, the rest removed from the store (fdstore.py); the tables left to
+stage preflighted against the memory this process may have. A refusal of the config, a sidecar or the
+preflight raises a PledError (exit 78) before pled listens.
+
+``FirstStaging`` is the StagingOwner of the tables staged at start: a table that becomes ready answers the
+clients waiting for it, the last one makes pled ready (READY=1), and one that fails stops pled with that
+failure's exit status.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+from pled.daemon import fdstore, planning
+from pled.daemon.config import Config
+from pled.daemon.fdstore import FdStore, StoredFd
+from pled.daemon.handlers import Handlers
+from pled.daemon.notify import Notifier
+from pled.daemon.registry import Registry
+from pled.daemon.tables import TableState
+from pled.shared.errors import PledError
+from pled.shared.region import Manifest
+
+log = logging.getLogger(__name__)
+
+
+def prepare(registry: Registry, store: FdStore, notifier: Notifier, stored: list[StoredFd],
+            proc_root: str = "/") -> list[TableState]:
+    """Open, plan, adopt, preflight what is left; returns the tables to stage. ``stored`` (what systemd passed)
+    is adopted or closed here, whatever happens."""
+    config = registry.config
+    try:
+        sidecars = planning.open_tables(config)
+    except PledError:
+        fdstore.close_stored(stored)  # systemd keeps its copies: a fixed config may adopt them next time
+        raise
+    planned = planning.plan_tables(sidecars)
+    to_stage = registry.open(sidecars, planned, fdstore.adopt_stored(stored, planned, store))
+    store.announce([t.name for t in to_stage])
+    if to_stage:
+        preflight(config, {t.name: t.manifest for t in to_stage}, notifier, proc_root)
+    return to_stage
+
+
+def preflight(config: Config, manifests: dict[str, Manifest], notifier: Notifier, proc_root: str) -> None:
+    """Will the regions to stage fit? Logged either way; a refusal is also pled's STATUS= and raises."""
+    verdict = planning.run_preflight(config, manifests, proc_root)
+    for problem in verdict.problems:
+        log.warning("preflight could not read %s", problem)
+    (log.info if verdict.ok else log.error)("%s", verdict.message)
+    if not verdict.ok:
+        notifier.status(verdict.message)
+    verdict.raise_if_refused()
+
+
+class FirstStaging:
+    def __init__(self, registry: Registry, handlers: Handlers, notifier: Notifier, stopping: threading.Event, *,
+                 all_ready: Callable[[], None]) -> None:
+        """``all_ready()`` is called once every served table is ready."""
+        self.registry = registry
+        self.handlers = handlers
+        self.notifier = notifier
+        self.stopping = stopping
+        self.all_ready = all_ready
+        self.exit_status = 0  # pled's, once a table failed
+
+    def table_ready(self, t: TableState) -> None:
+        self.handlers.table_ready(t)  # the clients that wait for it
+        if self.registry.all_ready():
+            self.all_ready()
+
+    def table_failed(self, t: TableState, error: BaseException) -> None:
+        log.error("staging table %s failed: %s", t.name, error)
+        self.notifier.status(f"failed: table {t.name}: {error}")
+        self.exit_status = getattr(error, "exit_status", 1) or 1
+        self.stopping.set()
+
+    def table_cancelled(self, t: TableState, reason: str) -> None:
+        log.info("%s", reason)
