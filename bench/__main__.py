@@ -14,7 +14,6 @@ import json
 import os
 import platform
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -31,6 +30,7 @@ from pled.generator import make_sidecar
 from pled.shared.hugepages import THP
 from pled.shared.pagecache import cached_bytes
 from pled.daemon.sidecar import open_table
+from tests.harness import Daemon, start  # the tests' way to start pled: python -m bench runs from the repository root
 
 GiB = 1024**3
 MiB = 1024**2
@@ -157,50 +157,19 @@ def bench_staging(d: Path, repeats: int) -> dict:
 
 # -- daemons ------------------------------------------------------------------------------------
 
-class Daemon:
-    def __init__(self, work: Path, name: str, tables: dict[str, Path], env: dict | None = None, fds=()):
-        self.socket = str(work / f"{name}.sock")
-        cfg = work / f"{name}.toml"
-        lines = [f'socket = "{self.socket}"', "headroom_margin = 0"]
-        for t, p in tables.items():
-            lines += ["[[table]]", f'name = "{t}"', f'path = "{p}"']
-        cfg.write_text("\n".join(lines) + "\n")
-        self.log_path = work / f"{name}.log"
-        env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "JOURNAL_STREAM")} | (env or {})
-        redirect = " ".join(f"{3 + i}<&{fd}" for i, (fd, _) in enumerate(fds))
-        if fds:
-            env |= {"LISTEN_FDS": str(len(fds)), "LISTEN_FDNAMES": ":".join(n for _, n in fds)}
-        script = f'{"export LISTEN_PID=$$; " if fds else ""}exec "$0" -m pled serve -c "$1" {redirect}'
-        self.started = time.perf_counter()
-        with open(self.log_path, "w") as logf:
-            self.proc = subprocess.Popen(["bash", "-c", script, sys.executable, str(cfg)], env=env, stderr=logf,
-                                         pass_fds=[fd for fd, _ in fds])
+def memory(pid: int) -> dict:
+    """The kB figures of /proc/PID/status, in bytes."""
+    fields = {}
+    for line in open(f"/proc/{pid}/status"):
+        key, _, value = line.partition(":")
+        if value.strip().endswith("kB"):
+            fields[key] = int(value.split()[0]) * 1024
+    return fields
 
-    def wait_ready(self, timeout: float = 600) -> float:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if "INFO ready:" in self.log_path.read_text():
-                return time.perf_counter() - self.started
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"pled exited: {self.log_path.read_text()}")
-            time.sleep(0.01)
-        raise RuntimeError("pled not ready in time")
 
-    def status(self) -> dict:
-        fields = {}
-        for line in open(f"/proc/{self.proc.pid}/status"):
-            key, _, value = line.partition(":")
-            if value.strip().endswith("kB"):
-                fields[key] = int(value.split()[0]) * 1024
-        return fields
-
-    def rchar(self) -> int:
-        return next(int(line.split()[1]) for line in open(f"/proc/{self.proc.pid}/io") if line.startswith("rchar"))
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(timeout=60)
+def rchar(pid: int) -> int:
+    """Bytes the process has read (/proc/PID/io), whatever the page cache held."""
+    return next(int(line.split()[1]) for line in open(f"/proc/{pid}/io") if line.startswith("rchar"))
 
 
 # -- 2. attach ----------------------------------------------------------------------------------
@@ -328,15 +297,16 @@ def bench_restart(work: Path, d: Path, repeats: int) -> dict:
     for rep in range(repeats):
         n = NotifySocket(work / f"notify{rep}.sock")
         drop_cache(files)
-        first = Daemon(work, f"restart{rep}a", {"bench": d}, env={"NOTIFY_SOCKET": n.path})
+        first = start(work, {"bench": d}, name=f"restart{rep}a", env={"NOTIFY_SOCKET": n.path}, wait=None)
         fd, name = n.wait_stored()
-        fresh.append({"seconds": first.wait_ready(), "rchar": first.rchar()})
-        first.stop()
+        fresh.append({"seconds": first.wait_ready(timeout=600), "rchar": rchar(first.pid)})
+        first.stop(timeout=60)
         drop_cache(files)
-        second = Daemon(work, f"restart{rep}b", {"bench": d}, env={"NOTIFY_SOCKET": n.path}, fds=[(fd, name)])
+        second = start(work, {"bench": d}, name=f"restart{rep}b", env={"NOTIFY_SOCKET": n.path}, fds=[(fd, name)],
+                       wait=None)
         os.close(fd)
-        adopted.append({"seconds": second.wait_ready(), "rchar": second.rchar()})
-        second.stop()
+        adopted.append({"seconds": second.wait_ready(timeout=600), "rchar": rchar(second.pid)})
+        second.stop(timeout=60)
         n.close()
         log(f"restart: fresh {fresh[-1]['seconds']:.2f} s, adopted {adopted[-1]['seconds']:.2f} s")
     return {k: {"seconds": summary([r["seconds"] for r in v]), "rchar": summary([r["rchar"] for r in v])}
@@ -381,10 +351,10 @@ def main() -> int:
                "table": {"layout": sidecar.layout, "shards": len(sidecar.shards), "rows": sidecar.rows,
                          "row_width": sidecar.row_width}}
         res["staging"] = bench_staging(d, a.staging_repeats)
-        daemon = Daemon(work, "main", {"ples_int4": d, "ples128": small})
+        daemon = start(work, {"ples_int4": d, "ples128": small}, name="main", wait=None)
         daemons.append(daemon)
-        daemon.wait_ready()
-        res["daemon"] = daemon.status()
+        daemon.wait_ready(timeout=600)
+        res["daemon"] = memory(daemon.pid)
         res["attach"] = bench_attach(daemon.socket, ["ples_int4", "ples128"], a.attaches, a.repeats, "ples_int4")
         # 4 KiB pages first, huge pages after: staging a huge-page table makes the kernel compact memory,
         # migrating other tables' pages under their mappings, which would disturb the 4 KiB runs.
@@ -398,9 +368,9 @@ def main() -> int:
                 except OSError as err:
                     log(f"huge pages not measured: cannot set {SHMEM} ({err})")
                 else:
-                    huge = Daemon(work, "huge", {"ples_int4": d})
+                    huge = start(work, {"ples_int4": d}, name="huge", wait=None)
                     daemons.append(huge)
-                    huge.wait_ready()
+                    huge.wait_ready(timeout=600)
                     res["attach_huge"] = {"populate_s_per_gib": summary(populate_per_gib(huge.socket, "ples_int4", a.repeats))}
                     res["huge_share"] = [line for line in huge.log_path.read_text().splitlines() if "staged:" in line][0]
                     res["gathers"] |= bench_gathers(gather_cases(d, huge.socket, "ples_int4", "huge pages"), a.repeats,
@@ -408,10 +378,10 @@ def main() -> int:
                     res["table_gather"]["huge pages"] = table_gather.run(huge.socket, "ples_int4", max(5, a.repeats),
                                                                          a.requests, a.ids, settle, log)
         # its own published-shape sidecar and pled: the worker refuses the benchmark's table of another shape
-        res["offload_worker"] = offload.bench(work, lambda name, tables: Daemon(work, name, tables), a.repeats, a.requests,
-                                              a.ids)
+        res["offload_worker"] = offload.bench(work, lambda name, tables: start(work, tables, name=name, wait=None),
+                                              a.repeats, a.requests, a.ids)
         for dm in daemons:
-            dm.stop()
+            dm.stop(timeout=60)
         res["restart"] = bench_restart(work, d, a.repeats)
         if a.soak_seconds > 0:
             res["soak"] = soak.run(work, a.soak_seconds)
@@ -422,7 +392,7 @@ def main() -> int:
         return 0
     finally:
         for dm in daemons:
-            dm.stop()
+            dm.stop(timeout=60)
         shutil.rmtree(work, ignore_errors=True)
 
 

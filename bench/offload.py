@@ -204,7 +204,7 @@ def main() -> int:
     import argparse
     import tempfile
 
-    from bench.__main__ import Daemon
+    from tests.harness import start
 
     p = argparse.ArgumentParser(prog="python -m bench.offload")
     p.add_argument("--shards", type=int, default=2, help="published-shape int4 shards (2,500,012 rows, 240 MB each)")
@@ -214,7 +214,8 @@ def main() -> int:
     a = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="pled-bench-offload-", dir="/var/tmp"))
     try:
-        res = bench(work, lambda name, tables: Daemon(work, name, tables), a.repeats, a.requests, a.ids, a.shards)
+        res = bench(work, lambda name, tables: start(work, tables, name=name, wait=None), a.repeats, a.requests, a.ids,
+                    a.shards)
         print("\n".join(report(res)))
         return 0
     finally:

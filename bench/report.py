@@ -26,7 +26,7 @@ from typing import Callable
 GiB = 1024**3
 MiB = 1024**2
 
-# What the results are held against (the issues' targets): the only fixed figures in a report.
+# What the results are held against (pled's performance targets): the only fixed figures in a report.
 TARGETS = {
     "staging_vs_dd": 0.9,  # pled's cold staging against `dd iflag=direct`
     "first_gather": 0.95,  # pled's first gather request against its asymptote

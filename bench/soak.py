@@ -26,7 +26,6 @@ import signal
 import socket
 import stat
 import struct
-import subprocess
 import sys
 import tempfile
 import termios
@@ -202,32 +201,26 @@ def _settle(pid: int, before: dict, timeout: float = 20.0) -> dict:
 
 def run(work: Path, seconds: float = 120.0, reload_every: float = 3.0, good_clients: int = 2) -> dict:
     from pled import client
-    from pled.shared import protocol
     from pled.generator import make_sidecar
+    from pled.shared import protocol
+    from tests.harness import start, write_config
 
     a, b = work / "soak-a", work / "soak-b"
     make_sidecar(str(a), "ples_int4", shards=4, rows=20_000)  # 8 MB
     make_sidecar(str(b), "ples_fp8", shards=2, rows=20_000)
     sock = str(work / "soak-run" / "pled.sock")
-    cfg = work / "soak.toml"
-    one = f'socket = "{sock}"\nheadroom_margin = 0\n[[table]]\nname = "a"\npath = "{a}"\n'
-    two = one + f'[[table]]\nname = "b"\npath = "{b}"\n'
-    cfg.write_text(one)
-    log_path = work / "soak.log"
-    env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "JOURNAL_STREAM")}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "pled", "serve", "-c", str(cfg)], stderr=log,
-                                stdout=subprocess.DEVNULL, env=env)
+    one, two = {"a": a}, {"a": a, "b": b}
+    pled = start(work, one, name="soak", socket=sock, wait=None)
+
+    def configure(tables: dict) -> None:
+        write_config(pled.config, tables, socket=sock, headroom_margin=0)
+
     try:
-        deadline = time.monotonic() + 120
-        while "ready:" not in log_path.read_text():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"pled did not start:\n{log_path.read_text()[-2000:]}")
-            time.sleep(0.05)
+        pled.wait_ready(timeout=120)
         with client.attach("a", socket=sock):
             pass
         time.sleep(0.5)
-        before = _proc(proc.pid)
+        before = _proc(pled.pid)
         stop = threading.Event()
         counts = {k: 0 for k in KINDS}
         good = {"ok": 0, "refused": 0, "mismatches": 0}
@@ -246,22 +239,22 @@ def run(work: Path, seconds: float = 120.0, reload_every: float = 3.0, good_clie
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             time.sleep(reload_every)
-            cfg.write_text(two if reloads % 2 == 0 else one)
-            proc.send_signal(signal.SIGHUP)
+            configure(two if reloads % 2 == 0 else one)
+            pled.send_signal(signal.SIGHUP)
             reloads += 1
             phase.update(n=reloads, t=time.monotonic())
-            now = _proc(proc.pid)
+            now = _proc(pled.pid)
             peak_rss, peak_fds = max(peak_rss, now["rss"]), max(peak_fds, now["fds"])
         stop.set()
         for t in threads:
             t.join(30)
         if reloads % 2:  # leave the config as it began, and let that reload finish
-            cfg.write_text(one)
-            proc.send_signal(signal.SIGHUP)
+            configure(one)
+            pled.send_signal(signal.SIGHUP)
         time.sleep(2)
-        after = _settle(proc.pid, before)
+        after = _settle(pled.pid, before)
         st = client.call(protocol.STATUS, socket=sock)
-        log_text = log_path.read_text()
+        log_text = pled.log()
         return {
             "seconds": seconds, "reload_every_s": reload_every, "reloads": reloads,
             "reloads_done": log_text.count("reload done"), "reloads_failed": log_text.count("reload failed"),
@@ -270,13 +263,11 @@ def run(work: Path, seconds: float = 120.0, reload_every: float = 3.0, good_clie
             "stuck": {"replies_that_fit": fit, "tuned_to": found["fit"][0], "attach_replies_stuck": found["stuck"], "fds_checked":
                       found["fds"], "breaches": len(found["breaches"]), "breach_examples": sorted(set(found["breaches"]))[:5]},
             "before": before, "after": after, "peak_rss": peak_rss, "peak_fds": peak_fds,
-            "dropped_logged": log_text.count("dropping pid"), "alive": proc.poll() is None,
+            "dropped_logged": log_text.count("dropping pid"), "alive": pled.poll() is None,
             "tables_after": [t["table"] for t in st["tables"]],
         }
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(30)
+        pled.stop()
 
 
 def report(s: dict) -> list[str]:

@@ -221,8 +221,9 @@ def main() -> int:
     import shutil
     import tempfile
 
-    from bench.__main__ import SHMEM, Daemon, log, settle, shmem_enabled
+    from bench.__main__ import SHMEM, log, settle, shmem_enabled
     from pled.generator import make_sidecar
+    from tests.harness import start
 
     p = argparse.ArgumentParser(prog="python -m bench.table_gather", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -242,9 +243,9 @@ def main() -> int:
     try:
         d = work / "ples_int4"
         make_sidecar(str(d), "ples_int4", shards=a.shards, rows=int(a.size_gib * 1024**3 / 100 / a.shards))
-        small = Daemon(work, "small", {"ples_int4": d})
+        small = start(work, {"ples_int4": d}, name="small", wait=None)
         try:
-            small.wait_ready()
+            small.wait_ready(timeout=600)
             res["table_gather"]["4 KiB pages"] = run(small.socket, "ples_int4", a.repeats, a.requests, a.ids, wait, log)
         finally:
             small.stop()
@@ -252,9 +253,9 @@ def main() -> int:
             before = SHMEM.read_text()
             with contextlib.ExitStack() as stack:
                 stack.enter_context(shmem_enabled("advise"))
-                huge = Daemon(work, "huge", {"ples_int4": d})
+                huge = start(work, {"ples_int4": d}, name="huge", wait=None)
                 stack.callback(huge.stop)
-                huge.wait_ready()
+                huge.wait_ready(timeout=600)
                 res["table_gather"]["huge pages"] = run(huge.socket, "ples_int4", a.repeats, a.requests, a.ids, wait, log)
             res["shmem_enabled_restored"] = SHMEM.read_text() == before
             log(f"shmem_enabled restored: {SHMEM.read_text().strip()!r} (was {before.strip()!r})")

@@ -1,16 +1,13 @@
-"""Helpers for the attack tests (tests/test_attack_*.py): a daemon started the way an attack needs (low fd
-limits, no CAP_SYS_RESOURCE, code patched in), and the checks that it still serves afterwards."""
+"""Helpers for the attack tests (tests/test_attack_*.py, tests/test_fd_ownership.py): raw calls, replies left
+waiting in pled, and the checks that a daemon still serves afterwards with its fds and RSS back where they were.
+The daemons themselves are started with tests/harness.py (low fd limits, setpriv, code patched in)."""
 import json
 import os
-import resource
+import select
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-
-from conftest import Daemon, write_config
 from pled import client
 from pled.daemon import hostmem
 from pled.shared import protocol
@@ -19,37 +16,13 @@ MiB = 1024**2
 RSS_BOUND = 24 * MiB  # what pled's RSS may grow by across an attack, once it is over
 
 
-class Attacked(Daemon):
-    """`pled serve` with an optional prefix command (setpriv), an fd limit, and a Python snippet run first."""
-
-    def __init__(self, config: Path, socket_path: str, *, nofile: int | None = None, prefix=(), patch: str = ""):
-        self.config, self.socket = config, socket_path
-        env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "JOURNAL_STREAM")}
-        self.log_path = config.with_suffix(f".{time.monotonic_ns()}.log")
-        self._log = open(self.log_path, "w")
-        code = f"{patch}\nimport sys\nfrom pled.cli import main\nsys.exit(main(['serve', '-c', {str(config)!r}]))"
-
-        def limit():
-            if nofile:
-                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
-
-        self.proc = subprocess.Popen([*prefix, sys.executable, "-c", code], stderr=self._log, stdout=subprocess.DEVNULL,
-                                     env=env, preexec_fn=limit)
-
-
-def start(tmp_path, tables: dict, name: str = "pled", wait: str = "ready:", **kw) -> Attacked:
-    config_keys = {k: kw.pop(k) for k in list(kw) if k not in ("nofile", "prefix", "patch")}
-    config_keys.setdefault("headroom_margin", 0)
-    sock = config_keys.pop("socket", None) or str(tmp_path / f"run-{name}" / "pled.sock")
-    cfg = write_config(tmp_path / f"{name}.toml", tables, socket=sock, **config_keys)
-    d = Attacked(cfg, sock, **kw)
-    if wait:
-        d.wait_for(wait)
-    return d
-
-
 def rss(pid: int) -> int:
     return hostmem.own_rss(pid=pid)
+
+
+def limit_lines(log: str) -> int:
+    """pled's lines saying it met its connection or fd limit."""
+    return log.count("cannot accept") + log.count("refusing clients") + log.count("closing idle connections")
 
 
 def raw(sock_path: str, payload: bytes, timeout: float = 10):
@@ -102,7 +75,7 @@ def assert_serving(pled, table: str, source: Path | None = None, before: tuple[i
         assert rss(pled.pid) <= mem + RSS_BOUND, f"pled's RSS {rss(pled.pid) / MiB:.0f} MiB, {mem / MiB:.0f} MiB before"
 
 
-# -- a reply left waiting in pled: the peer's socket is full when it is written (issue 19, finding 1) --------
+# -- a reply left waiting in pled: the peer's socket is full when it is written ------------------------------
 
 PING = protocol.call(protocol.PING)
 PING_REPLY = len(protocol.encode(protocol.reply()))
@@ -151,6 +124,13 @@ def stuck_call(sock_path: str, call: bytes, capacity: int, tries: int = 6) -> so
             return s
         s.close()
     raise AssertionError(f"no reply stayed in pled after {capacity}..{capacity + tries - 1} Pings")
+
+
+def closed_by_peer(s: socket.socket) -> bool:
+    """pled has closed its end of ``s`` (POLLRDHUP), whatever it left unread there."""
+    poller = select.poll()
+    poller.register(s, select.POLLRDHUP)
+    return bool(poller.poll(0))
 
 
 def read_all(s: socket.socket, quiet: float = 1.0) -> tuple[bytes, list[int]]:

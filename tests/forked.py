@@ -4,6 +4,8 @@ import traceback
 
 import pytest
 
+from harness import require_marker
+
 NOBODY = 65534
 
 
@@ -11,6 +13,7 @@ def as_user(action, groups: list[int] | None = ()) -> str:
     """Run ``action()`` in a forked child that is uid/gid 65534 with exactly ``groups`` as its supplementary groups
     (None: the child stays root). Returns what it returned (as a str), or "<ExceptionName>: <text>" for what it
     raised. Torch's thread pool does not survive a fork: gathers run in the child, never before it in the parent."""
+    require_marker("root", "runs a process as another uid")
     if os.geteuid() != 0:
         pytest.skip("needs root to run a process as another uid")
     r, w = os.pipe()

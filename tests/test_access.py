@@ -5,19 +5,14 @@ pled.service's User=pled/Group=pled with vLLM's SupplementaryGroups=pled.
 import encodings.ascii  # noqa: F401  the children cannot import it: Python's stdlib may sit under root's 0700 home
 import hashlib
 import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
 
-from conftest import unused_gid, write_config
 from forked import as_user
+from harness import Daemon, start, unused_gid
 from pled import client
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run pled and clients as other ids")
 ROWS = torch.arange(0, 8000, 13)
 
 
@@ -27,49 +22,24 @@ def gather_digest(sock: str) -> str:
         return "attached " + hashlib.sha256(t.gather(ROWS).float().numpy().tobytes()).hexdigest()
 
 
-class GroupDaemon:
-    """`pled serve` as root with effective (and only) gid G."""
-
-    def __init__(self, cfg, gid: int):
-        env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "JOURNAL_STREAM")}
-        self.log_path = cfg.with_suffix(".log")
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "pled", "serve", "-c", str(cfg)], group=gid, extra_groups=[],
-                                     stderr=self._log, stdout=subprocess.DEVNULL, env=env)
-
-    def wait_for(self, text: str, timeout: float = 60) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            log = self.log_path.read_text()
-            if text in log:
-                return log
-            assert self.proc.poll() is None, f"pled exited ({self.proc.returncode}):\n{log}"
-            time.sleep(0.02)
-        raise AssertionError(f"{text!r} not logged:\n{self.log_path.read_text()}")
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(timeout=30)
-        self._log.close()
-
-
 def open_up(sock: str) -> None:
     """Let anyone reach the socket, so that pled's own check decides."""
     os.chmod(os.path.dirname(sock), 0o755)
     os.chmod(sock, 0o666)
 
 
-def start(tmp_path, sidecar, open_dir, gid: int, name: str, **keys) -> tuple[GroupDaemon, str]:
+def start_in_group(tmp_path, sidecar, open_dir, gid: int, name: str, **keys) -> tuple[Daemon, str]:
+    """pled as root with effective (and only) gid ``gid``, serving table t; its socket, in ``open_dir``."""
     sock = os.path.join(open_dir, name, "pled.sock")
-    cfg = write_config(tmp_path / f"{name}.toml", {"t": sidecar(shards=2, rows=4000)}, socket=sock, headroom_margin=0, **keys)
-    d = GroupDaemon(cfg, gid)
-    d.wait_for("ready:")
-    return d, sock
+    return start(tmp_path, {"t": sidecar(shards=2, rows=4000)}, name=name, socket=sock, group=gid, extra_groups=[],
+                 **keys), sock
 
 
+@pytest.mark.daemon
+@pytest.mark.root
 def test_members_of_pleds_group_attach_and_others_are_refused(sidecar, tmp_path, open_dir):
     g = unused_gid(61000)
-    pled, sock = start(tmp_path, sidecar, open_dir, g, "run")
+    pled, sock = start_in_group(tmp_path, sidecar, open_dir, g, "run")
     try:
         # The file system's part: socket 0660 and its directory 0750, both group G, as pled made them.
         st, dst = os.stat(sock), os.stat(os.path.dirname(sock))
@@ -92,10 +62,12 @@ def test_members_of_pleds_group_attach_and_others_are_refused(sidecar, tmp_path,
         pled.stop()
 
 
+@pytest.mark.daemon
+@pytest.mark.root
 def test_allow_groups_widens_pleds_group(sidecar, tmp_path, open_dir):
     g = unused_gid(61000)
     other = unused_gid(g + 1)
-    pled, sock = start(tmp_path, sidecar, open_dir, g, "wide", allow_groups=[other])
+    pled, sock = start_in_group(tmp_path, sidecar, open_dir, g, "wide", allow_groups=[other])
     try:
         open_up(sock)  # so that the file system lets group `other` in and pled decides
         assert as_user(lambda: gather_digest(sock), [other]).startswith("attached")

@@ -1,5 +1,5 @@
-"""Issue 11, what a file or a config can do: ordinary accidents and hostile files at start (one-line refusals,
-exit 78), at a reload (the reload fails, nothing changes) and under Status, against a real daemon."""
+"""What a file or a config can do: ordinary accidents and hostile files at start (one-line refusals, exit 78), at a
+reload (the reload fails, nothing changes) and under Status, against a real daemon."""
 import json
 import os
 import shutil
@@ -7,16 +7,15 @@ import socket
 import struct
 import subprocess
 import sys
-import textwrap
-import time
 
 import pytest
 
-from attack import assert_serving, baseline, start
-from conftest import run_pled, write_config
+from attack import assert_serving, baseline
+from harness import run_pled, start, wait_until, write_config
 from pled import client
 from pled.shared import protocol
 
+pytestmark = pytest.mark.daemon
 SHARD = "shard_1.safetensors"
 
 
@@ -94,7 +93,7 @@ def assert_one_line_refusal(r, *words):
 
 
 @pytest.mark.parametrize("case", list(BAD_SHARDS))
-def test_8_inspect_and_serve_refuse_a_bad_shard_in_one_line(tmp_path, sidecar, case):
+def test_inspect_and_serve_refuse_a_bad_shard_in_one_line(tmp_path, sidecar, case):
     how, words = BAD_SHARDS[case]
     bad = broken_copy(sidecar(shards=4, rows=64), tmp_path / "bad", how)
     assert_one_line_refusal(run_pled("inspect", bad, timeout=60), str(bad / SHARD), words)
@@ -114,7 +113,7 @@ CONFIGS = {  # a config that goes bad -> words
 
 
 @pytest.mark.parametrize("case", list(CONFIGS))
-def test_8_serve_and_status_refuse_a_bad_config_in_one_line(tmp_path, case):
+def test_serve_and_status_refuse_a_bad_config_in_one_line(tmp_path, case):
     how, words = CONFIGS[case]
     cfg = tmp_path / "pled.toml"
     how(cfg)
@@ -122,7 +121,7 @@ def test_8_serve_and_status_refuse_a_bad_config_in_one_line(tmp_path, case):
     assert_one_line_refusal(run_pled("status", "-c", cfg, timeout=60), str(cfg), words)
 
 
-def test_6_a_fifo_as_the_table_path_is_refused_at_once(tmp_path):
+def test_a_fifo_as_the_table_path_is_refused_at_once(tmp_path):
     os.mkfifo(tmp_path / "t.safetensors")
     assert_one_line_refusal(run_pled("inspect", tmp_path / "t.safetensors", timeout=60), "FIFO")
     cfg = write_config(tmp_path / "pled.toml", {"t": tmp_path / "t.safetensors"}, headroom_margin=0)
@@ -137,14 +136,15 @@ def served(tmp_path, sidecar):
     pled.stop()
 
 
-def test_2_6_7_a_reload_onto_bad_files_fails_and_changes_nothing(tmp_path, served):
+@pytest.mark.slow
+def test_a_reload_onto_bad_files_fails_and_changes_nothing(tmp_path, served):
     pled, d = served
     before = baseline(pled, "t1")
     cfg = pled.config
     good = cfg.read_text()
     for case, (how, words) in BAD_SHARDS.items():
         bad = broken_copy(d, tmp_path / f"bad-{case.replace(' ', '_').replace('/', '_')}", how)
-        cfg.write_text(good + f'[[table]]\nname = "x"\npath = "{bad}"\n')
+        write_config(cfg, {"t1": d, "x": bad}, socket=pled.socket, headroom_margin=0)
         r = run_pled("reload", "--socket", pled.socket, timeout=120)
         assert r.returncode == 1 and "reload failed" in r.stderr and words in r.stderr, (case, r.stderr)
         assert_serving(pled, "t1", d)
@@ -155,13 +155,13 @@ def test_2_6_7_a_reload_onto_bad_files_fails_and_changes_nothing(tmp_path, serve
         assert r.returncode == 1 and "reload failed" in r.stderr and words in r.stderr, (case, r.stderr)
         assert_serving(pled, "t1", d)
     cfg.unlink()
-    cfg.write_text(good)
+    cfg.write_text(good)  # as it was
     assert run_pled("reload", "--socket", pled.socket, timeout=120).returncode == 0
     assert_serving(pled, "t1", d, before)
 
 
 @pytest.mark.parametrize("how", ["file", "symlink loop"])
-def test_2_status_survives_a_sidecar_directory_replaced(tmp_path, sidecar, how):
+def test_status_survives_a_sidecar_directory_replaced(tmp_path, sidecar, how):
     d = sidecar(shards=4, rows=64)
     pled = start(tmp_path, {"t1": d})
     try:
@@ -185,23 +185,25 @@ import os, time
 import pled.daemon.sidecar as s
 _open = s.open_table
 def open_table(path):
-    while os.path.exists(path + ".gate"):  # a sidecar on a disk that takes its time
+    if os.path.exists(path + ".gate"):  # a sidecar on a disk that takes its time
+        open(path + ".waiting", "w").close()
+    while os.path.exists(path + ".gate"):
         time.sleep(0.05)
     return _open(path)
 s.open_table = open_table
 """
 
 
-def test_7_a_slow_sidecar_in_a_reload_delays_no_client(tmp_path, sidecar):
+def test_a_slow_sidecar_in_a_reload_delays_no_client(tmp_path, sidecar):
     d, slow = sidecar(shards=4, rows=64), sidecar("ples_fp8", shards=2, rows=64)
     pled = start(tmp_path, {"t1": d}, patch=GATED)
     try:
         gate = tmp_path / (slow.name + ".gate")
         gate.touch()
-        pled.config.write_text(pled.config.read_text() + f'[[table]]\nname = "slow"\npath = "{slow}"\n')
+        write_config(pled.config, {"t1": d, "slow": slow}, socket=pled.socket, headroom_margin=0)
         reload = subprocess.Popen([sys.executable, "-m", "pled", "reload", "--socket", pled.socket],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        time.sleep(1)
+        wait_until((tmp_path / (slow.name + ".waiting")).exists, 30, message="the reload never opened the slow sidecar")
         for _ in range(5):  # while the reload reads the slow sidecar
             assert client.call(protocol.PING, socket=pled.socket, timeout=5) == {}
             assert_serving(pled, "t1", d)
@@ -213,26 +215,13 @@ def test_7_a_slow_sidecar_in_a_reload_delays_no_client(tmp_path, sidecar):
         pled.stop()
 
 
-def test_9_the_same_files_under_two_names_are_refused(tmp_path, sidecar):
+def test_the_same_files_under_two_names_are_refused(tmp_path, sidecar):
     d = sidecar(shards=4, rows=64)
-    cfg = tmp_path / "pled.toml"
-    cfg.write_text(textwrap.dedent(f"""
-        socket = "{tmp_path}/run/pled.sock"
-        headroom_margin = 0
-        [[table]]
-        name = "a"
-        path = "{d}"
-        [[table]]
-        name = "b"
-        path = "{d}/"
-        [[table]]
-        name = "c"
-        path = "{d}/*.safetensors"
-    """))
+    cfg = write_config(tmp_path / "pled.toml", {"a": d, "b": f"{d}/", "c": f"{d}/*.safetensors"}, headroom_margin=0)
     assert_one_line_refusal(run_pled("serve", "-c", cfg, timeout=60), "tables a and b both hold", "shard_0")
 
 
-def test_10_a_world_writable_socket_directory_is_refused(tmp_path, sidecar):
+def test_a_world_writable_socket_directory_is_refused(tmp_path, sidecar):
     d = sidecar(shards=1, rows=16)
     run = tmp_path / "open"
     run.mkdir()
@@ -242,7 +231,8 @@ def test_10_a_world_writable_socket_directory_is_refused(tmp_path, sidecar):
     assert not (run / "pled.sock").exists()
 
 
-def test_10_a_socket_directory_another_group_can_write_is_warned_about(tmp_path, sidecar):
+@pytest.mark.root
+def test_a_socket_directory_another_group_can_write_is_warned_about(tmp_path, sidecar):
     d = sidecar(shards=1, rows=16)
     run = tmp_path / "grp"
     run.mkdir()

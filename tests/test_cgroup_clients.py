@@ -5,8 +5,8 @@ charged to the memory cgroup of the process that first faulted each page in: ple
 staged the table. A client that maps the sealed memfd, pre-faults it, reads every page and
 gathers rows adds page-table entries and its own heap to its cgroup, never the table.
 
-Real cgroup v1 memory cgroups (this project's CI host), made and removed with test_cgroup's
-fixture; skipped with the reason where none can be made (not root, cgroup v2 without a
+Real cgroup v1 memory cgroups (this project's CI host), made and removed with the memcg fixture
+(tests/conftest.py); skipped with the reason where none can be made (not root, cgroup v2 without a
 delegated subtree).
 """
 import hashlib
@@ -16,14 +16,16 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
-from conftest import run_pled, write_config
+from cgroups import join_and_exec, oom_kills
+from harness import Daemon, drop_page_cache, run_pled, write_config
 from pled import client
-from pled.shared import region
 from pled.daemon.sidecar import open_table
-from test_cgroup import _drop_page_cache, _oom_kills, _serve_in, _wait_ready, memcg  # noqa: F401  (memcg is a fixture)
+from pled.shared import region
 
+pytestmark = [pytest.mark.daemon, pytest.mark.root, pytest.mark.slow]
 MiB = 1024**2
 ROWS = list(range(0, 4_800_000, 9_973))  # rows from every shard
 
@@ -63,8 +65,7 @@ def _stat(cg: Path, key: str) -> int:
 
 
 def _run_in(cg: Path, argv: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(["sh", "-c", f'echo $$ > "{cg}/cgroup.procs" && exec "$@"', "sh", *argv],
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run([*join_and_exec(cg), *argv], capture_output=True, text=True, timeout=300)
 
 
 def test_a_client_capped_far_below_the_table_reads_it_all_charged_to_pled(memcg, sidecar, tmp_path):
@@ -75,10 +76,10 @@ def test_a_client_capped_far_below_the_table_reads_it_all_charged_to_pled(memcg,
     pled_cg = memcg(region_bytes + 192 * MiB)  # the table, pled itself, a shard of page cache
     # The "container", at 0.42 of the table: an interpreter with torch imported peaks at ~145 MiB by itself.
     client_cg = memcg(192 * MiB)
-    _drop_page_cache(d)
-    pled = _serve_in(pled_cg, cfg)
+    drop_page_cache(d.glob("*.safetensors"))
+    pled = Daemon(cfg, cgroup=pled_cg)
     try:
-        _wait_ready(pled)
+        pled.wait_ready()
         pled_shmem = _stat(pled_cg, "total_shmem")
         assert pled_shmem >= region_bytes, (pled_shmem, region_bytes)  # the table is charged where pled staged it
 
@@ -90,7 +91,7 @@ def test_a_client_capped_far_below_the_table_reads_it_all_charged_to_pled(memcg,
               f"shmem {_stat(client_cg, 'total_shmem') / MiB:.1f} MiB, failcnt {_v1(client_cg, 'memory.failcnt')}; "
               f"pled's cgroup: shmem {_stat(pled_cg, 'total_shmem') / MiB:.0f} MiB")
         assert r.returncode == 0, f"the client failed ({r.returncode}; -9: OOM-killed?) {r.stderr[-2000:]}"
-        assert _oom_kills(client_cg) == 0
+        assert oom_kills(client_cg) == 0
         assert said["bytes_read"] == region_bytes and said["residency"] == 1.0
         with client.attach("ples_int4", socket=socket) as t:  # the same rows, read here
             expected = hashlib.sha256(t.gather(torch.tensor(ROWS)).float().numpy().tobytes()).hexdigest()
@@ -113,6 +114,5 @@ def test_a_client_capped_far_below_the_table_reads_it_all_charged_to_pled(memcg,
         status = run_pled("status", "--json", "--socket", socket)
         assert status.returncode == 0, status.stdout + status.stderr
     finally:
-        pled.terminate()
-        pled.communicate(timeout=30)
-    assert pled.returncode == 0
+        rc = pled.stop()
+    assert rc == 0

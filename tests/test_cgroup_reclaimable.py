@@ -3,7 +3,7 @@
 The fixtures differ where the right and the wrong keys differ: 30 GiB of shmem (memfds: a staged table, say) is
 counted in cache/file but can only be swapped, not reclaimed; and cache/file differ from active + inactive file."""
 from pled.daemon import preflight
-from test_preflight import GiB, V1_MOUNT, V2_MOUNT, Host
+from fakehost import V1_MOUNT, V2_MOUNT, GiB, Host
 
 
 def test_v1_shmem_in_cache_is_not_reclaimable(tmp_path):

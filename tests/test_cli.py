@@ -1,12 +1,10 @@
 """The pled command in real processes: inspect, preflight, serve, demo, make-sidecar."""
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 
-from conftest import run_pled, write_config
+import pytest
+
+from harness import run_pled, write_config
 
 
 def test_make_sidecar_and_inspect(tmp_path):
@@ -26,6 +24,7 @@ def test_make_sidecar_and_inspect(tmp_path):
     assert (j["layout"], j["shards"], j["rows"], j["bytes"]) == ("ples_fp8", 11, 550, size)
 
 
+@pytest.mark.slow  # writes a 250 MB shard
 def test_make_sidecar_writes_the_published_shape(tmp_path):
     from pled.daemon.safetensors_file import read_header
     from pled.shared.layouts import PUBLISHED_ROWS_PER_SHARD, PUBLISHED_WIDTH
@@ -79,13 +78,13 @@ def test_preflight_passes_and_refuses(sidecar, tmp_path):
     assert r.returncode == 78
 
 
+@pytest.mark.daemon
 def test_serve_refuses_bad_config_and_bad_sidecar_with_78(tmp_path, sidecar):
-    bad = tmp_path / "bad.toml"
-    bad.write_text("huge_pages = 'sometimes'\n")
+    bad = write_config(tmp_path / "bad.toml", {}, huge_pages="sometimes")
     r = run_pled("serve", "-c", bad)
     assert r.returncode == 78 and f"{bad}: key huge_pages" in r.stderr
     empty = tmp_path / "empty.toml"
-    empty.write_text("")
+    empty.write_text("")  # no config at all
     r = run_pled("serve", "-c", empty)
     assert r.returncode == 78 and "no [[table]] configured" in r.stderr
     d = sidecar(shards=2, rows=20)
@@ -94,43 +93,21 @@ def test_serve_refuses_bad_config_and_bad_sidecar_with_78(tmp_path, sidecar):
     assert r.returncode == 78 and "shard_0.safetensors: not a safetensors file" in r.stderr
 
 
-def _wait_for(proc, text, timeout=30):
-    seen = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        if not line:
-            break
-        seen.append(line)
-        if text in line:
-            return seen
-    raise AssertionError(f"{text!r} not logged; saw:\n{''.join(seen)}")
-
-
-def test_serve_stages_holds_and_stops_on_sigterm(sidecar, tmp_path):
+def test_serve_stages_holds_and_stops_on_sigterm(sidecar, daemon):
     d1 = sidecar("ples_int4", shards=3, rows=2000)
     d2 = sidecar("ples_nvfp4", shards=2, rows=2000)
-    cfg = write_config(tmp_path / "pled.toml", {"ples_int4": d1, "ples_nvfp4": d2}, headroom_margin="1MiB")
-    env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "JOURNAL_STREAM")}
-    proc = subprocess.Popen([sys.executable, "-m", "pled", "serve", "-c", str(cfg)], stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        log = "".join(_wait_for(proc, "ready: 2 table(s)"))
-        assert "preflight passed" in log
-        assert "table ples_int4: shard 1/3 shard_0.safetensors" in log and "GB/s" in log
-        assert "table ples_nvfp4: shard 2/2 shard_1.safetensors" in log
-        assert "table ples_int4 staged:" in log and "sealed" in log and "huge pages" in log
-        # The regions are held: the daemon's fds point at sealed memfds named after the tables.
-        fds = {os.readlink(f"/proc/{proc.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{proc.pid}/fd")}
-        assert any(f.startswith("/memfd:pled:ples_int4") for f in fds), fds
-        assert any(f.startswith("/memfd:pled:ples_nvfp4") for f in fds), fds
-        proc.send_signal(signal.SIGTERM)
-        rest = proc.communicate(timeout=30)[1]
-        assert proc.returncode == 0
-        assert "stopped: released 2 table(s)" in rest
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    pled = daemon({"ples_int4": d1, "ples_nvfp4": d2}, wait="ready: 2 table(s)", headroom_margin="1MiB")
+    log = pled.log()
+    assert "preflight passed" in log
+    assert "table ples_int4: shard 1/3 shard_0.safetensors" in log and "GB/s" in log
+    assert "table ples_nvfp4: shard 2/2 shard_1.safetensors" in log
+    assert "table ples_int4 staged:" in log and "sealed" in log and "huge pages" in log
+    # The regions are held: the daemon's fds point at sealed memfds named after the tables.
+    fds = {os.readlink(f"/proc/{pled.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pled.pid}/fd")}
+    assert any(f.startswith("/memfd:pled:ples_int4") for f in fds), fds
+    assert any(f.startswith("/memfd:pled:ples_nvfp4") for f in fds), fds
+    assert pled.stop() == 0
+    assert "stopped: released 2 table(s)" in pled.log()
 
 
 def test_demo_runs_and_checks_rows(tmp_path):

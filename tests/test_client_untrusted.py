@@ -1,4 +1,4 @@
-"""The client library does not trust the server (issue 19, finding 5).
+"""The client library does not trust the server.
 
 The fake server here is the attacker, honestly so: a real Unix socket served from a thread, answering an Attach
 with real fds (memfds made with os.memfd_create and sealed, or a regular file on disk) whose bytes are built by

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_pled, unused_gid
+from harness import run_pled, unused_gid
 from pled import client
 
 ALLOWED, REFUSED = 100_000, 200_000  # the host uids of two containers' root
@@ -79,9 +79,9 @@ def containers():
             c.proc.wait()
 
 
+@pytest.mark.slow
+@pytest.mark.root  # a user namespace with another uid's mapping (newuidmap's job elsewhere)
 def test_a_client_in_a_container_attaches_through_a_read_only_socket_mount(sidecar, daemon, containers, tmp_path):
-    if os.geteuid() != 0:
-        pytest.skip("making a user namespace with another uid's mapping needs root (newuidmap's job elsewhere)")
     group = unused_gid()
     run = tmp_path / "run"
     run.mkdir(mode=0o750)

@@ -7,7 +7,6 @@ import signal
 import struct
 import subprocess
 import sys
-import time
 import zipfile
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import pytest
 import yaml
 from yamllint import config as yamllint_config, linter
 
-from conftest import write_config
+from harness import Daemon, write_config
 from pled.daemon import config as config_mod
 from pled.shared import region
 from pled.daemon.sidecar import open_table
@@ -93,8 +92,8 @@ def build_wheel_as_the_recipe_does(containerfile: Path, tmp_path: Path) -> Path:
 @pytest.mark.parametrize("name", ["Containerfile", "vllm-with-pled.Containerfile"])
 def test_the_wheel_built_as_the_recipe_builds_it_carries_the_hook_and_licence(name, tmp_path):
     """The wheel holds the start-up hook (at the top of site-packages), the licence and the package. Without setup.py
-    the hook is missing, without LICENSE the licence: the recipes before issue 25 copied only pyproject.toml,
-    README.md and pled/, and failed here."""
+    the hook is missing, without LICENSE the licence: a recipe that copies only pyproject.toml, README.md and pled/
+    fails here."""
     wheel = build_wheel_as_the_recipe_does(DEPLOY / name, tmp_path)
     names = zipfile.ZipFile(wheel).namelist()
     assert "pled-autoload.pth" in names, names
@@ -188,34 +187,27 @@ def test_readiness_is_pled_status_and_vllm_waits_for_it():
     assert vllm["securityContext"]["supplementalGroups"] == [pod["securityContext"]["runAsGroup"]]
 
 
+@pytest.mark.daemon
+@pytest.mark.root
 def test_pled_serve_as_pid_1_stops_cleanly_on_sigterm(sidecar, tmp_path):
     """What a container runtime does: pled as PID 1 of a new PID namespace, SIGTERM from outside.
 
     The kernel delivers a signal to a namespace's init only if it has a handler for it: a PID 1
     without one would ignore `docker stop` until SIGKILL."""
-    if os.geteuid() != 0 or not shutil.which("unshare"):
-        pytest.skip("needs root and unshare for a PID namespace")
+    if not shutil.which("unshare"):
+        pytest.skip("needs unshare for a PID namespace")
     cfg = write_config(tmp_path / "pled.toml", {"t": sidecar(shards=2, rows=100)}, headroom_margin=0)
-    env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "JOURNAL_STREAM")}
-    log = tmp_path / "pled.log"
-    with open(log, "w") as err:
-        outer = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-m", "pled", "serve",
-                                  "-c", str(cfg)], stderr=err, env=env)
+    outer = Daemon(cfg, prefix=["unshare", "--pid", "--fork", "--mount-proc"])  # outer.pid: unshare's, pled's parent
     try:
-        deadline = time.monotonic() + 60
-        while "ready:" not in log.read_text():
-            assert outer.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.05)
+        outer.wait_ready()
         (init,) = Path(f"/proc/{outer.pid}/task/{outer.pid}/children").read_text().split()
         nspid = next(l for l in Path(f"/proc/{init}/status").read_text().splitlines() if l.startswith("NSpid:"))
         assert nspid.split()[-1] == "1"  # pled is PID 1 there
         os.kill(int(init), signal.SIGTERM)
-        assert outer.wait(timeout=30) == 0, log.read_text()
+        assert outer.wait(timeout=30) == 0, outer.log()
     finally:
-        if outer.poll() is None:
-            outer.kill()
-            outer.wait()
-    text = log.read_text()
+        outer.stop(signal.SIGKILL)
+    text = outer.log()
     assert "SIGTERM: stopping" in text and "stopped: released 1 table(s)" in text
 
 

@@ -15,6 +15,7 @@ from pled.daemon import staging
 from pled.daemon.sidecar import open_table
 
 
+@pytest.mark.root
 def test_an_unreadable_huge_page_setting_is_reported_as_such(tmp_path, open_dir):
     """EACCES on shmem_enabled is not "this kernel has no transparent huge pages"."""
     thp = tmp_path / "sys/kernel/mm/transparent_hugepage"
@@ -37,6 +38,7 @@ def test_an_unreadable_huge_page_setting_is_reported_as_such(tmp_path, open_dir)
         assert r.stats.fill.policy == "advise"
 
 
+@pytest.mark.root
 def test_verify_without_read_access_to_the_sources_is_one_line(sidecar, daemon, open_dir):
     d = sidecar(shards=2, rows=10)  # under pytest's 0700 tmp directory: nobody cannot read it
     sock = os.path.join(open_dir, "pled.sock")

@@ -1,20 +1,21 @@
-"""Issue 19, finding 2: nothing a peer or a file controls reaches a terminal or a log line raw.
+"""Nothing a peer or a file controls reaches a terminal or a log line raw.
 
 A client's command line (pled reads it from /proc: here the client is root, as it is where pled runs
 without ProtectProc=, in containers, or for clients running as root or as user pled), a table's path, and
 a file's text quoted in an error are full of ESC, BEL, the C1 CSI U+009B and U+2028. `pled status`, pled's
 log and systemd's STATUS= must show them escaped.
 """
-import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
-from conftest import Daemon, run_pled, serve, stop
+import pytest
+
+from harness import Daemon, run_pled, wait_until, write_config
 from pled import client
 from pled.shared import protocol
+
+pytestmark = pytest.mark.daemon
 
 EVIL = ["\x1b]0;pwned\x07", "\x9b2J", "a\u2028b\u202e", "\x1b[2K\r\x1b[31mERROR table t1 DIFFERS from disk\x1b[0m"]
 
@@ -24,18 +25,11 @@ def raw_control(text: str) -> list[str]:
     return sorted({repr(c) for c in text if not c.isprintable() and c != "\n"})
 
 
-def config(path, table_path, sock, **keys) -> None:
-    lines = [f"socket = {json.dumps(sock)}", "headroom_margin = 0"] + [f"{k} = {json.dumps(v)}" for k, v in keys.items()]
-    lines += ["[[table]]", 'name = "t1"', f"path = {json.dumps(str(table_path))}"]
-    path.write_text("\n".join(lines) + "\n")
-
-
 def test_a_clients_command_line_and_a_tables_path_are_escaped_everywhere(tmp_path, sidecar):
     d = sidecar(shards=2, rows=64).rename(tmp_path / "ples\x1b[2J\x07\u2028dir")
     sock = str(tmp_path / "run" / "pled.sock")
-    cfg = tmp_path / "pled.toml"
-    config(cfg, d, sock)
-    pled = Daemon(cfg, sock)
+    cfg = write_config(tmp_path / "pled.toml", {"t1": d}, socket=sock, headroom_margin=0)
+    pled = Daemon(cfg)
     holder = None
     try:
         pled.wait_for("ready:")
@@ -54,9 +48,8 @@ def test_a_clients_command_line_and_a_tables_path_are_escaped_everywhere(tmp_pat
         shown = run_pled("status", "--socket", sock)
         assert "\\x1b]0;pwned" in shown.stdout and raw_control(shown.stdout) == [], shown.stdout
         # a reload over a config whose error quotes a key with escapes in it
-        cfg.write_text(cfg.read_text().replace("headroom_margin = 0", 'headroom_margin = 0\n"bad\\u001b[31mkey\\u2028" = 1'))
-        pled.proc.send_signal(signal.SIGHUP)
-        pled.wait_for("reload failed")
+        write_config(cfg, {"t1": d}, socket=sock, headroom_margin=0, **{"bad\x1b[31mkey\u2028": 1})
+        assert pled.reload() == "reload failed"
     finally:
         if holder is not None:
             holder.stdin.close()
@@ -70,14 +63,13 @@ def test_a_clients_command_line_and_a_tables_path_are_escaped_everywhere(tmp_pat
 def test_status_to_systemd_cannot_be_split_into_other_fields(tmp_path, sidecar, notify_socket):
     """A newline in a table's path would end STATUS= and start another sd_notify field."""
     d = sidecar(shards=4, rows=40_000).rename(tmp_path / "x\nFDSTOREREMOVE=1\nFDNAME=pled.1.t1\x1b[2J")
-    cfg = tmp_path / "pled.toml"
-    config(cfg, d, str(tmp_path / "run" / "pled.sock"), staging_bandwidth="8MB/s")
-    proc = serve(cfg, {"NOTIFY_SOCKET": notify_socket.path}, log=tmp_path / "pled.log")
+    cfg = write_config(tmp_path / "pled.toml", {"t1": d}, headroom_margin=0, staging_bandwidth="8MB/s")
+    pled = Daemon(cfg, env={"NOTIFY_SOCKET": notify_socket.path}, log=tmp_path / "pled.log")
     try:
         notify_socket.wait_for("READY=1")
-        time.sleep(0.2)
+        wait_until(lambda: any(line.startswith("STATUS=serving") for line in notify_socket.lines()), 10)
     finally:
-        assert stop(proc) == 0
+        assert pled.stop() == 0
     lines = notify_socket.lines()
     staging = [line for line in lines if line.startswith("STATUS=staging t1 from ")]
     assert staging and all("x\\nFDSTOREREMOVE=1\\nFDNAME=pled.1.t1\\x1b[2J" in line for line in staging), staging

@@ -3,6 +3,7 @@ copied, corrupt shards, a full or missing socket directory."""
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -10,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Daemon, require_fuse, run_pled, write_config
+from harness import Daemon, require_fuse, run_pled, write_config
 from pled import client
-from pled.shared import protocol
 from pled.generator import make_sidecar
+from pled.shared import protocol
 
+pytestmark = pytest.mark.daemon
 MiB = 1024**2
 
 
@@ -34,15 +36,7 @@ def settle_shmem(baseline: int, tolerance: int, timeout: float = 10) -> int:
     return now
 
 
-def serve_until_ready_or_exit(cfg: Path, tmp_path: Path) -> subprocess.CompletedProcess:
-    """pled serve until it exits or says ready (then it is stopped): a refusal shows at once, not as a timeout."""
-    d = Daemon(cfg, str(tmp_path / "run" / "pled.sock"))
-    while d.proc.poll() is None and "ready:" not in d.log():
-        time.sleep(0.02)
-    d.stop()
-    return subprocess.CompletedProcess(d.proc.args, d.proc.returncode, "", d.log())
-
-
+@pytest.mark.slow
 def test_kill_9_at_random_points_of_staging_leaves_nothing_behind(tmp_path):
     d = tmp_path / "sc"
     make_sidecar(str(d), "ples_int4", shards=4, rows=80_000)  # 32 MB, staged at 40 MB/s: under a second
@@ -51,16 +45,14 @@ def test_kill_9_at_random_points_of_staging_leaves_nothing_behind(tmp_path):
     tolerance = 12 * MiB  # the table is 34 MiB: a leaked region, even half of one, shows
     rng = random.Random(7)
     for round_ in range(20):
-        victim = Daemon(cfg, str(tmp_path / "run/pled.sock"))
-        time.sleep(rng.uniform(0.05, 1.1))  # before, during or after staging
-        victim.proc.kill()
-        victim.proc.wait()
-        victim.stop()
+        victim = Daemon(cfg)
+        time.sleep(rng.uniform(0.05, 1.1))  # a random moment: before, during or after staging
+        victim.stop(signal.SIGKILL)
         now = settle_shmem(baseline, tolerance)
         assert abs(now - baseline) <= tolerance, f"round {round_}: Shmem {now / MiB:.1f} MiB, was {baseline / MiB:.1f} MiB"
         # The next start stages cleanly: the dead daemon's socket file does not block it.
-        nxt = Daemon(cfg, str(tmp_path / "run/pled.sock"))
-        nxt.wait_for("ready:")
+        nxt = Daemon(cfg)
+        nxt.wait_ready()
         assert client.call(protocol.PING, socket=nxt.socket) == {}
         assert nxt.stop() == 0
         assert abs(settle_shmem(baseline, tolerance) - baseline) <= tolerance
@@ -70,10 +62,10 @@ def test_kill_9_at_random_points_of_staging_leaves_nothing_behind(tmp_path):
 def test_a_shard_that_shrinks_while_it_is_copied_fails_the_start_clearly(tmp_path, sidecar):
     d = sidecar("ples_int4", shards=4, rows=80_000)
     cfg = write_config(tmp_path / "pled.toml", {"t": d}, headroom_margin=0, staging_bandwidth="16MB/s")
-    pled = Daemon(cfg, str(tmp_path / "run/pled.sock"))
+    pled = Daemon(cfg)
     pled.wait_for("shard 1/4")
     os.truncate(d / "shard_3.safetensors", 1000)  # shrinks before (or while) it is copied
-    assert pled.proc.wait(timeout=60) == 1
+    assert pled.wait(timeout=60) == 1
     log = pled.log()
     assert "shard_3.safetensors" in log and "changed while pled was staging it (size 1000, was" in log
     assert "start pled again once the sidecar is completely written" in log
@@ -105,6 +97,7 @@ def faultfs(tmp_path):
         proc.wait(timeout=10)
 
 
+@pytest.mark.root
 def test_a_read_error_names_the_file_and_the_offset(tmp_path, sidecar, faultfs):
     d = sidecar("ples_int4", shards=3, rows=20_000)
     mounted = faultfs(d, "shard_1.safetensors", 1_000_000)
@@ -123,9 +116,10 @@ def test_a_corrupt_shard_is_refused_by_its_digest_and_found_by_verify(tmp_path, 
     bad = bytearray(good)
     bad[len(bad) // 2] ^= 0x01  # one bit in one byte of the data, the header untouched
     (d / "shard_2.safetensors").write_bytes(bad)
-    r = serve_until_ready_or_exit(write_config(tmp_path / "a.toml", {"t": d}, headroom_margin=0), tmp_path)
-    assert r.returncode == 78, r.stderr
-    assert "shard_2.safetensors: content xxh3_128:" in r.stderr and "does not match" in r.stderr and "META.json" in r.stderr
+    refused = daemon({"t": d}, wait=None)
+    assert refused.wait_ready_or_exit() == 78, refused.log()
+    log = refused.log()
+    assert "shard_2.safetensors: content xxh3_128:" in log and "does not match" in log and "META.json" in log
     # Without the shipped digests the same file stages; `pled verify` then finds what differs from the disk.
     (d / "shard_2.safetensors").write_bytes(good)
     meta = d / "META.json"
@@ -152,27 +146,27 @@ def test_sums_files_are_checked_too(tmp_path, sidecar):
     import blake3
 
     (d / "B3SUMS").write_text("".join(f"{blake3.blake3((d / k).read_bytes()).hexdigest()}  {k}\n" for k in digests))
-    pled = Daemon(write_config(tmp_path / "ok.toml", {"t": d}, headroom_margin=0), str(tmp_path / "run/pled.sock"))
-    pled.wait_for("ready:")  # the correct sums pass
+    pled = Daemon(write_config(tmp_path / "ok.toml", {"t": d}, headroom_margin=0))
+    pled.wait_ready()  # the correct sums pass
     assert pled.stop() == 0
     (d / "B3SUMS").write_text(f"{'0' * 64}  shard_1.safetensors\n")
     r = run_pled("serve", "-c", write_config(tmp_path / "bad.toml", {"t": d}, headroom_margin=0))
     assert r.returncode == 78 and "shard_1.safetensors: content blake3:" in r.stderr and "B3SUMS" in r.stderr
 
 
+@pytest.mark.root
 def test_a_full_socket_directory_is_a_clear_error(tmp_path, sidecar):
-    if os.geteuid() != 0 or not shutil.which("unshare"):
-        pytest.skip("needs root and unshare for a private tmpfs")
+    if not shutil.which("unshare"):
+        pytest.skip("needs unshare for a private tmpfs")
     d = sidecar(shards=1, rows=10)
     full = tmp_path / "full"
     full.mkdir()
     cfg = write_config(tmp_path / "pled.toml", {"t": d}, headroom_margin=0, socket=str(full / "pled.sock"))
     # A tmpfs with one inode, in a private mount namespace: full as soon as it exists.
-    script = f'mount -t tmpfs -o size=64k,nr_inodes=1,mode=0750 pled-full "{full}" && exec "$0" -m pled serve -c "{cfg}"'
-    r = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, sys.executable],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 1
-    assert f"cannot create socket {full}/pled.sock: No space left on device; free space (or inodes) there" in r.stderr
+    mount = 'mount -t tmpfs -o size=64k,nr_inodes=1,mode=0750 pled-full "$0" && exec "$@"'
+    pled = Daemon(cfg, prefix=["unshare", "--mount", "--propagation", "private", "sh", "-c", mount, str(full)])
+    assert pled.wait(timeout=60) == 1, pled.log()
+    assert f"cannot create socket {full}/pled.sock: No space left on device; free space (or inodes) there" in pled.log()
 
 
 def test_a_socket_directory_that_cannot_be_made_is_a_clear_error(tmp_path, sidecar):

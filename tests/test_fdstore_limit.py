@@ -10,7 +10,11 @@ import os
 import signal
 import time
 
-from conftest import serve, stop, write_config
+import pytest
+
+from harness import Daemon, write_config
+
+pytestmark = pytest.mark.daemon
 
 
 def stored_and_removed(notify_socket) -> list[tuple[str, str]]:
@@ -32,11 +36,11 @@ def three_tables(sidecar, tmp_path, **keys):
 
 def serve_until_ready(cfg, notify_socket, log, **env) -> str:
     """pled serve under a notify socket (and ``env``) until READY=1, then stopped cleanly: its log."""
-    proc = serve(cfg, {"NOTIFY_SOCKET": notify_socket.path, **env}, log=log)
+    proc = Daemon(cfg, env={"NOTIFY_SOCKET": notify_socket.path, **env}, log=log)
     try:
         notify_socket.wait_for("READY=1")
     finally:
-        assert stop(proc) == 0
+        assert proc.stop() == 0
     return log.read_text()
 
 
@@ -60,7 +64,7 @@ def test_without_fdstore_the_config_says_and_the_log_says_which_it_assumed(sidec
 def test_a_reload_frees_the_old_generations_entry_before_storing_the_new_one(sidecar, tmp_path, notify_socket):
     tables, cfg = three_tables(sidecar, tmp_path)
     log = tmp_path / "pled.log"
-    proc = serve(cfg, {"NOTIFY_SOCKET": notify_socket.path, "FDSTORE": "3"}, log=log)
+    proc = Daemon(cfg, env={"NOTIFY_SOCKET": notify_socket.path, "FDSTORE": "3"}, log=log)
     try:
         notify_socket.wait_for("READY=1")
         shard = next(tables["t1"].glob("*.safetensors"))
@@ -72,7 +76,7 @@ def test_a_reload_frees_the_old_generations_entry_before_storing_the_new_one(sid
             assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-2000:]
             time.sleep(0.05)
     finally:
-        assert stop(proc) == 0
+        assert proc.stop() == 0
     events = stored_and_removed(notify_socket)
     assert events[:3] == [("store", "pled.1.t0"), ("store", "pled.1.t1"), ("store", "pled.1.t2")]
     assert events[3:] == [("remove", "pled.1.t1"), ("store", "pled.2.t1")], events

@@ -3,11 +3,8 @@
 A memfd is a file: its ftruncate and writes obey the limit, so without the check staging failed with EFBIG
 ("File too large") once listening and exited 1, which systemd restarts in a loop. Python ignores SIGXFSZ, so the
 signal never killed it; the preflight now names the limit, the size needed and the fix, before copying a byte."""
-import os
 import resource
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -18,7 +15,7 @@ from pled.shared import region
 from pled.shared.errors import EX_CONFIG, PreflightRefused
 from pled.shared.sizes import gib
 
-from conftest import run_pled, write_config
+from harness import Daemon, run_pled, write_config
 
 MiB = 1024**2
 
@@ -54,6 +51,7 @@ def test_check_refuses_a_region_over_the_limit():
     assert preflight.check({"a": 6 * MiB}, 0, "/nonexistent", fsize_limit=6 * MiB).ok
 
 
+@pytest.mark.daemon
 def test_serve_refuses_a_file_size_limit_below_the_region(tmp_path, sidecar):
     cfg, size = _config(tmp_path, sidecar)
     started = time.monotonic()
@@ -72,24 +70,12 @@ def test_preflight_command_reports_the_file_size_limit(tmp_path, sidecar):
     assert gib(size) in r.stdout and gib(size // 2) in r.stdout and "ulimit -f" in r.stdout
 
 
+@pytest.mark.daemon
 def test_serve_starts_with_a_file_size_limit_above_the_region(tmp_path, sidecar):
     cfg, size = _config(tmp_path, sidecar)
-    log_path = tmp_path / "serve.log"
-    env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "JOURNAL_STREAM")}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "pled", "serve", "-c", str(cfg)], stderr=log,
-                                stdout=subprocess.DEVNULL, env=env, preexec_fn=_limit(4 * size))
+    pled = Daemon(cfg, fsize=4 * size)
     try:
-        deadline = time.monotonic() + 30
-        while "ready:" not in log_path.read_text():
-            assert proc.poll() is None, f"pled exited {proc.returncode}:\n{log_path.read_text()}"
-            assert time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.05)
+        pled.wait_ready(timeout=30)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, log_path.read_text()
+        rc = pled.stop()
+    assert rc == 0, pled.log()

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import LAYOUTS
+from harness import LAYOUTS
 from pled import client
-from test_gather import reference_row
+from reference import reference_row
 
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("op_chain", ROOT / "bench" / "op_chain.py")

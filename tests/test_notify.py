@@ -5,21 +5,24 @@ import logging
 import os
 import uuid
 
-from conftest import NotifySocket, serve, stop, write_config
+import pytest
+
+from harness import Daemon, NotifySocket, write_config
 from pled.daemon import notify
 from pled.shared import region
 
 
+@pytest.mark.daemon
 def test_a_table_path_outside_latin1_stages_and_status_carries_it(sidecar, tmp_path, notify_socket):
     d = tmp_path / "模型" / "ples_int4"
     d.parent.mkdir()
     sidecar("ples_int4", shards=4, rows=40_000).rename(d)  # 16 MB, staged at 8 MB/s: STATUS= shows progress
     cfg = write_config(tmp_path / "pled.toml", {"t": d}, headroom_margin=0, staging_bandwidth="8MB/s")
-    proc = serve(cfg, {"NOTIFY_SOCKET": notify_socket.path}, log=tmp_path / "pled.log")
+    proc = Daemon(cfg, env={"NOTIFY_SOCKET": notify_socket.path}, log=tmp_path / "pled.log")
     try:
         notify_socket.wait_for("READY=1")
     finally:
-        assert stop(proc) == 0
+        assert proc.stop() == 0
     # NotifySocket decodes each datagram as UTF-8 (strictly): the path arrives as written.
     staging = [line for line in notify_socket.lines() if line.startswith("STATUS=staging t from ")]
     assert staging and all(line.startswith(f"STATUS=staging t from {d}: shard ") for line in staging), staging
@@ -27,15 +30,16 @@ def test_a_table_path_outside_latin1_stages_and_status_carries_it(sidecar, tmp_p
     assert "Failed to send" not in (tmp_path / "pled.log").read_text()
 
 
+@pytest.mark.daemon
 def test_an_abstract_notify_socket(sidecar, tmp_path):
     name = f"pled-test-{uuid.uuid4().hex}"
     n = NotifySocket("\0" + name)  # what NOTIFY_SOCKET=@name means
     cfg = write_config(tmp_path / "pled.toml", {"t": sidecar(shards=2, rows=100)}, headroom_margin=0)
-    proc = serve(cfg, {"NOTIFY_SOCKET": "@" + name})
+    proc = Daemon(cfg, env={"NOTIFY_SOCKET": "@" + name})
     try:
         n.wait_for("READY=1")
     finally:
-        stop(proc)
+        proc.stop()
         n.wait_for("STOPPING=1")
     # FDSTORE=1 went over the same socket with its fd: the sealed region.
     (fd_name, fd), = n.stored()

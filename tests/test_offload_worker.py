@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import LAYOUTS, run_pled
+from harness import LAYOUTS, run_pled
 from pled.generator import make_sidecar
 from pled.shared import dequant
 from pled.shared.layouts import PUBLISHED_ROWS_PER_SHARD, PUBLISHED_WIDTH
@@ -42,7 +42,7 @@ def check_ids(shards: int) -> list[int]:
     """Global ids at each shard's edges and inside it."""
     return [s * ROWS + r for s in range(shards) for r in (0, 1, 12_345, ROWS - 1)]
 
-pytestmark = pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm: run `make test` (it builds it) or `make vllm-env`")
+pytestmark = pytest.mark.vllm
 
 
 def scratch_venv(where: Path, *install: str) -> Path:
@@ -135,6 +135,7 @@ def reports_until_holding(proc: subprocess.Popen) -> list[dict]:
     raise AssertionError(f"the workers ended without holding: {reports}\n{proc.stderr.read()[-4000:]}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_spawned_offload_workers_read_the_table_from_pled(hook_python, published, daemon, layout):
     d, shards = published(layout), SHARDS[layout]
@@ -170,6 +171,7 @@ def test_spawned_offload_workers_read_the_table_from_pled(hook_python, published
     assert grown < 16 * MiB, f"Shmem grew by {grown / MiB:.1f} MiB"
 
 
+@pytest.mark.slow
 def test_a_dead_socket_fails_the_load_naming_pled_and_the_fallback_reads_the_files(hook_python, published, tmp_path):
     d = published("ples_nvfp4")
     rows = SHARDS["ples_nvfp4"] * ROWS

@@ -33,9 +33,10 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import tomli_w
 import torch
 
-from conftest import SUMMARY, run_pled, unused_gid, write_config
+from harness import SUMMARY, run_pled, unused_gid, write_config
 from pled import client
 from pled.generator import make_sidecar
 
@@ -47,7 +48,8 @@ BASE = f"localhost/pled-test-base:{SUITE}"  # kept between runs (with its tar in
 TAG = f"pled-test-{os.getpid()}"  # this run's images and containers, removed at the end
 PLED_IMAGE, VLLM_STANDIN, VLLM_IMAGE = f"localhost/{TAG}-pled", f"localhost/{TAG}-standin", f"localhost/{TAG}-vllm"
 ROWS = [0, 1, 57, 99, 150, 199]
-pytestmark = pytest.mark.timeout(1500)  # the first test also pays for the module's builds (about 3.5 min from cold)
+# the first test also pays for the module's builds (about 3.5 min from cold); each starts pled (in a container or here)
+pytestmark = [pytest.mark.timeout(1500), pytest.mark.daemon, pytest.mark.root, pytest.mark.slow]
 TIMES: dict[str, float] = {}
 
 
@@ -135,8 +137,9 @@ def podman():
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     nofile = 1048576 if hard == resource.RLIM_INFINITY else min(hard, 1048576)
     # nproc too: podman's default (pid_max) is refused without CAP_SYS_RESOURCE; 65536 was refused here, 4096 is not
-    (work / "containers.conf").write_text(f'[containers]\ndefault_ulimits = ["nofile={nofile}:{nofile}", '
-                                          f'"nproc=4096:4096"]\n[engine]\nruntime = "runc"\n')
+    (work / "containers.conf").write_text(tomli_w.dumps({
+        "containers": {"default_ulimits": [f"nofile={nofile}:{nofile}", "nproc=4096:4096"]},
+        "engine": {"runtime": "runc"}}))
     env = {**os.environ, "CONTAINERS_CONF": str(work / "containers.conf"),
            "PATH": os.environ.get("PATH", "") + ":/usr/sbin:/sbin"}
     env.pop("NOTIFY_SOCKET", None)
@@ -164,7 +167,7 @@ def podman():
 
 @pytest.fixture
 def shared_dir(open_dir):
-    """conftest's open_dir as a Path: a directory under /tmp that containers and any uid may reach."""
+    """The open_dir fixture as a Path: a directory under /tmp that containers and any uid may reach."""
     return Path(open_dir)
 
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import LAYOUTS, run_pled, write_config
+from harness import LAYOUTS, run_pled, write_config
 from pled.daemon.sidecar import open_table
 from pled.shared.errors import SidecarError
 from pled.daemon.sidecar_meta import META_LAYOUT, PUBLISHED_LAYOUT, layout_family
@@ -90,6 +90,7 @@ def test_inspect_and_serve_accept_the_published_form(sidecar, daemon, layout):
 
 
 @pytest.mark.parametrize("key, value", [("rows", 193), ("width", 128), ("shards", 4), ("rows", "192")])
+@pytest.mark.daemon
 def test_a_contradicting_count_is_refused_naming_the_key(sidecar, tmp_path, key, value):
     d = sidecar("ples_int4", shards=3, rows=64)
     edit_meta(d, **{key: value})
@@ -104,6 +105,7 @@ def test_a_contradicting_count_is_refused_naming_the_key(sidecar, tmp_path, key,
                                           ("ples_nvfp4", "group16_int4_fp16scale_lownibblefirst"),
                                           ("ples_fp8", "group16_e2m1_e4m3scale_lownibblefirst"),
                                           ("ples_nvfp4", "rowwise_e4m3_fp32scale")])
+@pytest.mark.daemon
 def test_layout_words_that_contradict_the_tensors_are_refused(sidecar, tmp_path, layout, says):
     d = sidecar(layout, shards=2, rows=32)
     edit_meta(d, layout=says)

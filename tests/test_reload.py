@@ -2,14 +2,13 @@
 import hashlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from conftest import run_pled, serve, stop, write_config
+from harness import Daemon, run_pled, write_config
 from pled import client
 from pled.shared import protocol
 from pled.generator import make_sidecar
@@ -29,6 +28,7 @@ def file_digests(d) -> list[str]:
     return [hashlib.sha256((d / f"shard_{i}.safetensors").read_bytes()).hexdigest() for i in range(len(list(d.glob("*.safetensors"))))]
 
 
+@pytest.mark.daemon
 def test_reload_switches_generations_while_a_client_reads_the_old_one(tmp_path, notify_socket):
     d = tmp_path / "sc"
     make_sidecar(str(d), "ples_int4", shards=3, rows=30_000)
@@ -36,7 +36,7 @@ def test_reload_switches_generations_while_a_client_reads_the_old_one(tmp_path, 
     cfg = write_config(tmp_path / "pled.toml", {"t": d}, headroom_margin=0)
     sock = str(tmp_path / "run/pled.sock")
     log = tmp_path / "pled.log"
-    proc = serve(cfg, {"NOTIFY_SOCKET": notify_socket.path}, log=log)
+    pled = Daemon(cfg, env={"NOTIFY_SOCKET": notify_socket.path}, log=log)
     try:
         notify_socket.wait_for("READY=1")
         holder = subprocess.Popen([sys.executable, "-c", HOLDER, "t", sock], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -59,7 +59,7 @@ def test_reload_switches_generations_while_a_client_reads_the_old_one(tmp_path, 
         st = client.call(protocol.STATUS, socket=sock)
         assert [(x["table"], x["generation"], x["sources"]) for x in st["tables"]] == [("t", 2, "unchanged")]
     finally:
-        stop(proc)
+        pled.stop()
     lines = notify_socket.lines()
     reloading = lines.index("RELOADING=1")
     assert lines[reloading + 1].startswith("MONOTONIC_USEC=")
@@ -78,7 +78,6 @@ def test_failed_reloads_change_nothing_and_say_why(tmp_path, daemon, sidecar):
     pled = daemon({"t": d})
     sock = pled.socket
     cfg = pled.config
-    good = cfg.read_text()
 
     def reload_fails(words: str) -> None:
         r = run_pled("reload", "--socket", sock)
@@ -87,12 +86,12 @@ def test_failed_reloads_change_nothing_and_say_why(tmp_path, daemon, sidecar):
         with client.attach("t", socket=sock, populate=False) as t:
             assert t.generation == 1
 
-    cfg.write_text(good + "colour = 'blue'\n")
+    write_config(cfg, {"t": {"path": d, "colour": "blue"}}, socket=sock, headroom_margin=0)
     reload_fails("key table[0].colour: unknown key")
-    cfg.write_text(good.replace("headroom_margin = 0", 'headroom_margin = "1000TiB"'))
+    write_config(cfg, {"t": d}, socket=sock, headroom_margin="1000TiB")
     make_sidecar(str(d), "ples_int4", shards=2, rows=1000, seed=3)  # something to stage, so the preflight runs
     reload_fails("but only")
-    cfg.write_text(good)
+    write_config(cfg, {"t": d}, socket=sock, headroom_margin=0)
     (d / "shard_1.safetensors").write_bytes(b"not safetensors at all")
     reload_fails("shard_1.safetensors: not a safetensors file")
     assert "reload failed, nothing changed" in pled.log()
@@ -103,9 +102,8 @@ def test_a_removed_table_stops_being_offered_and_sighup_reloads(tmp_path, daemon
     a, b = sidecar(shards=1, rows=100), sidecar("ples_fp8", shards=1, rows=100)
     pled = daemon({"a": a, "b": b})
     held = client.attach("b", socket=pled.socket)
-    pled.config.write_text(pled.config.read_text().split("[[table]]")[0] + f'[[table]]\nname = "a"\npath = "{a}"\n')
-    pled.proc.send_signal(signal.SIGHUP)
-    pled.wait_for("reload done")
+    write_config(pled.config, {"a": a}, socket=pled.socket, headroom_margin=0)
+    assert pled.reload() == "reload done"
     with pytest.raises(client.NoSuchTable):
         client.attach("b", socket=pled.socket)
     assert "table b generation 1 released (removed from the config: no longer offered); 1 connected client(s) attached to it" in pled.log()
@@ -126,9 +124,8 @@ def test_sources_gone_after_staging_do_not_disturb_serving(tmp_path, daemon, sid
     assert r.returncode == 1 and "shard_1.safetensors: the source file is gone" in r.stdout
 
 
+@pytest.mark.root
 def test_reload_is_for_root_and_pleds_user_only(tmp_path, daemon, sidecar):
-    if os.geteuid() != 0:
-        pytest.skip("needs root to run a client as another uid")
     import tempfile
 
     run = tempfile.mkdtemp(prefix="pled-reload-", dir="/tmp")

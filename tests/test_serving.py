@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from conftest import run_pled
+from harness import run_pled
 from pled import client
 from pled.shared import protocol
 from pled.daemon import server
@@ -223,6 +223,7 @@ def test_daemon_survives_malformed_input(sidecar, daemon):
     assert pled.proc.poll() is None
 
 
+@pytest.mark.slow
 def test_fuzzed_messages_never_hurt_the_daemon(sidecar, daemon):
     from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -257,6 +258,7 @@ def test_errors_are_typed_and_say_what_to_do(sidecar, daemon, tmp_path):
         client.attach("nope", socket=pled.socket)
 
 
+@pytest.mark.root
 def test_a_refused_uid_gets_permission_denied(sidecar, daemon):
     """A client running as nobody (the test forks and drops to uid 65534) against a socket it may open."""
     if os.geteuid() != 0:

@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import LAYOUTS
+from harness import LAYOUTS
 from pled.shared import dequant, hugepages, region
 from pled.daemon import staging
 from pled.shared.errors import RegionError, StagingError

@@ -34,10 +34,12 @@ from pathlib import Path
 
 import pytest
 
+from harness import write_config
 from pled.generator import make_sidecar
 
-pytestmark = pytest.mark.skipif(os.environ.get("PLED_TEST_SYSTEMD") != "1",
-                                reason="opt-in: starts systemd as PID 1 in namespaces; set PLED_TEST_SYSTEMD=1")
+pytestmark = [pytest.mark.skipif(os.environ.get("PLED_TEST_SYSTEMD") != "1",
+                                 reason="opt-in: starts systemd as PID 1 in namespaces; set PLED_TEST_SYSTEMD=1"),
+              pytest.mark.daemon, pytest.mark.root, pytest.mark.slow]
 
 SYSTEMD = "/lib/systemd/systemd"
 CGROUP_V1 = Path("/sys/fs/cgroup/systemd")
@@ -338,8 +340,7 @@ def test_pled_service_under_systemd_pid1(fence, private_users):
     for f in (testdir / "sc").iterdir():
         f.chmod(0o640)
     (testdir / "sc").chmod(0o750)  # not world-readable: user pled reads it through group pled, as the README says
-    (testdir / "pled.toml").write_text('socket = "/run/pled/pled.sock"\nheadroom_margin = 0\n'
-                                       '[[table]]\nname = "ples_int4"\npath = "/mnt/t/sc"\n')
+    write_config(testdir / "pled.toml", {"ples_int4": "/mnt/t/sc"}, socket="/run/pled/pled.sock", headroom_margin=0)
     write_test_units(testdir / "units", "/mnt/t", private_users)
     pid1 = fence.start()
     vllm = pid1.wait_active(unit="vllm.service")
@@ -405,9 +406,8 @@ def test_a_small_fd_store_under_systemd_pid1(fence):
         make_sidecar(str(sc / name), "ples_int4", shards=2, rows=2_000)
 
     def config(fdstore_max: int) -> None:
-        (testdir / "pled.toml").write_text(f'socket = "/run/pled/pled.sock"\nheadroom_margin = 0\nfdstore_max = {fdstore_max}\n'
-                                           '[[table]]\nname = "ples_int4"\npath = "/mnt/t/sc/ples_int4"\n'
-                                           '[[table]]\nname = "t2"\npath = "/mnt/t/sc/t2"\n')
+        write_config(testdir / "pled.toml", {"ples_int4": "/mnt/t/sc/ples_int4", "t2": "/mnt/t/sc/t2"},
+                     socket="/run/pled/pled.sock", headroom_margin=0, fdstore_max=fdstore_max)
 
     config(2)
     write_test_units(testdir / "units", "/mnt/t")

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import LAYOUTS
+from harness import LAYOUTS
 from pled import client
 from pled.daemon.safetensors_file import read_header
 from pled.generator import make_sidecar

@@ -98,7 +98,8 @@ def check_served(out: dict) -> None:
 
 
 @pytest.mark.timeout(1200)
-@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm: run `make test` (it builds it) or `make vllm-env`")
+@pytest.mark.vllm
+@pytest.mark.slow
 @pytest.mark.skipif(not (VLLM_033 / ".ready").exists(), reason="no .cache/vllm-0.33.0: run `make test` (it installs it there)")
 def test_vllm_0_33_iterator_is_called_once_with_the_files_pled_does_not_hold(daemon, tmp_path):
     out = run_check(daemon, tmp_path, [VLLM_033, ROOT])
@@ -108,7 +109,8 @@ def test_vllm_0_33_iterator_is_called_once_with_the_files_pled_does_not_hold(dae
 
 
 @pytest.mark.timeout(1200)
-@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm: run `make test` (it builds it) or `make vllm-env`")
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_vllm_0_32_iterator_is_called_once_with_the_files_pled_does_not_hold(daemon, tmp_path):
     out = run_check(daemon, tmp_path, [ROOT])
     assert out["version"].startswith("0.32")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_pled
+from harness import run_pled
 from pled import client
 from pled.shared import protocol
 from pled.shared.pagecache import cached_bytes
@@ -24,7 +24,7 @@ HERE = Path(__file__).parent / "vllm_env"
 
 VLLM_TMP = ["/tmp"]  # set by the vllm_tmpdir fixture
 
-pytestmark = pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm: run `make test` (it builds it) or `make vllm-env`")
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module", autouse=True)
