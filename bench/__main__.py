@@ -23,13 +23,12 @@ import threading
 import time
 from pathlib import Path
 
-from bench import report
-from bench import offload, table_gather, soak  # sections 5, 6, 7 of the report, in this order
+from bench import offload, report, soak, table_gather  # sections 5, 6, 7 of the report, in this order
 from pled.daemon import staging
+from pled.daemon.sidecar import open_table
 from pled.generator import make_sidecar
 from pled.shared.hugepages import THP
 from pled.shared.pagecache import cached_bytes
-from pled.daemon.sidecar import open_table
 from tests.harness import Daemon, start  # the tests' way to start pled: python -m bench runs from the repository root
 
 GiB = 1024**3
@@ -133,7 +132,8 @@ def bench_staging(d: Path, repeats: int) -> dict:
     files = shard_files(d)
     nbytes = sum(os.path.getsize(f) for f in files)
     runs: dict[str, list[dict]] = {}
-    methods = {"pled": lambda: stage_pled(d, files), "pled without digests": lambda: stage_pled(d, files, digests=False),
+    methods = {"pled": lambda: stage_pled(d, files),
+               "pled without digests": lambda: stage_pled(d, files, digests=False),
                "dd iflag=direct": lambda: stage_dd(files), "cp to /dev/shm": lambda: stage_cp(files)}
     for rep in range(repeats):
         order = list(methods)[rep % len(methods):] + list(methods)[: rep % len(methods)]  # no method always goes first
@@ -226,8 +226,8 @@ def settle(limit: float = 60.0) -> None:
         pass
 
 def gather_run(args: list[str], requests: int, ids: int) -> dict:
-    r = subprocess.run([sys.executable, "-m", "bench.gather_worker", *args, "--requests", str(requests), "--ids", str(ids)],
-                       capture_output=True, text=True, check=True, cwd=ROOT)
+    r = subprocess.run([sys.executable, "-m", "bench.gather_worker", *args, "--requests", str(requests),
+                        "--ids", str(ids)], capture_output=True, text=True, check=True, cwd=ROOT)
     data = json.loads(r.stdout)
     rates = data["rows_per_s"]
     tail = max(5, requests // 3)
@@ -243,18 +243,20 @@ def gather_cases(d: Path, sock: str, table: str, pages: str | None) -> dict:
     files = shard_files(d)
     if pages == "huge pages":
         return {f"(c) pled, fresh process, pre-faulted ({pages})": (["pled", table, "--socket", sock], lambda: None),
-                f"(c) pled, fresh process, not pre-faulted ({pages})": (["pled", table, "--socket", sock, "--no-populate"], lambda: None)}
+                f"(c) pled, fresh process, not pre-faulted ({pages})": (["pled", table, "--socket", sock,
+                                                                         "--no-populate"], lambda: None)}
     return {
         "(a) files mmapped, cold page cache": (["mmap", str(d)], lambda: drop_cache(files)),
         "(b) files mmapped, warm page cache": (["mmap", str(d)], lambda: warm_cache(files)),
         "(c) pled, fresh process, pre-faulted (4 KiB pages)": (["pled", table, "--socket", sock], lambda: None),
-        "(c) pled, fresh process, not pre-faulted (4 KiB pages)": (["pled", table, "--socket", sock, "--no-populate"], lambda: None),
+        "(c) pled, fresh process, not pre-faulted (4 KiB pages)": (["pled", table, "--socket", sock, "--no-populate"],
+                                                                   lambda: None),
     }
 
 
 def bench_gathers(cases: dict, repeats: int, requests: int, ids: int) -> dict:
     out = {}
-    for rep in range(repeats):
+    for _ in range(repeats):
         for name, (args, prepare) in cases.items():
             prepare()
             settle()
@@ -314,7 +316,8 @@ def bench_restart(work: Path, d: Path, repeats: int) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size-gib", type=float, default=4.0)
     p.add_argument("--shards", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
@@ -322,7 +325,8 @@ def main() -> int:
     p.add_argument("--attaches", type=int, default=1000)
     p.add_argument("--requests", type=int, default=45)
     p.add_argument("--ids", type=int, default=8192)
-    p.add_argument("--no-huge-pages", action="store_true", help="do not switch shmem_enabled to advise for the huge-page runs")
+    p.add_argument("--no-huge-pages", action="store_true",
+                   help="do not switch shmem_enabled to advise for the huge-page runs")
     p.add_argument("--soak-seconds", type=float, default=120.0, help="bench/soak.py's duration (0: skip it)")
     p.add_argument("--workdir", default="/var/tmp")
     p.add_argument("--out", default=str(ROOT / "docs" / "BENCHMARKS.md"))
@@ -359,8 +363,8 @@ def main() -> int:
         # 4 KiB pages first, huge pages after: staging a huge-page table makes the kernel compact memory,
         # migrating other tables' pages under their mappings, which would disturb the 4 KiB runs.
         res["gathers"] = bench_gathers(gather_cases(d, daemon.socket, "ples_int4", None), a.repeats, a.requests, a.ids)
-        res["table_gather"] = {"4 KiB pages": table_gather.run(daemon.socket, "ples_int4", max(5, a.repeats), a.requests,
-                                                               a.ids, settle, log)}
+        res["table_gather"] = {"4 KiB pages": table_gather.run(daemon.socket, "ples_int4", max(5, a.repeats),
+                                                               a.requests, a.ids, settle, log)}
         with contextlib.ExitStack() as stack:
             if not a.no_huge_pages and SHMEM.exists():
                 try:
@@ -371,8 +375,10 @@ def main() -> int:
                     huge = start(work, {"ples_int4": d}, name="huge", wait=None)
                     daemons.append(huge)
                     huge.wait_ready(timeout=600)
-                    res["attach_huge"] = {"populate_s_per_gib": summary(populate_per_gib(huge.socket, "ples_int4", a.repeats))}
-                    res["huge_share"] = [line for line in huge.log_path.read_text().splitlines() if "staged:" in line][0]
+                    res["attach_huge"] = {
+                        "populate_s_per_gib": summary(populate_per_gib(huge.socket, "ples_int4", a.repeats))}
+                    res["huge_share"] = [line for line in huge.log_path.read_text().splitlines()
+                                         if "staged:" in line][0]
                     res["gathers"] |= bench_gathers(gather_cases(d, huge.socket, "ples_int4", "huge pages"), a.repeats,
                                                     a.requests, a.ids)
                     res["table_gather"]["huge pages"] = table_gather.run(huge.socket, "ples_int4", max(5, a.repeats),

@@ -16,8 +16,8 @@ import time
 
 import numpy as np
 
-from pled.shared import dequant
 from pled.daemon.sidecar import open_table
+from pled.shared import dequant
 
 
 def shard_tensors_from_files(directory: str) -> tuple[list[dict], list[int], str]:
@@ -60,7 +60,8 @@ def warm_up_code(views: list[dict], layout: str, n: int) -> None:
     """Run the gather code a few times over a small copy in anonymous memory, never touching the table:
     the first request then measures the table's pages, not numpy's and Python's first-call costs."""
     small = 4096
-    dummy = [{k: np.zeros((small, *v.shape[1:]) if v.ndim else (), dtype=v.dtype) for k, v in shard.items()} for shard in views]
+    dummy = [{k: np.zeros((small, *v.shape[1:]) if v.ndim else (), dtype=v.dtype) for k, v in shard.items()}
+             for shard in views]
     starts = np.arange(len(dummy), dtype=np.int64) * small
     rng = np.random.default_rng(0)
     for _ in range(3):

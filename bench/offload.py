@@ -55,8 +55,8 @@ def hook_venv(work: Path) -> Path:
                                capture_output=True, text=True, check=True).stdout.strip()
     Path(site, "_bench_vllm_env.pth").write_text(vllm_site + "\n")
     (wheel,) = wheels.glob("pled-*.whl")
-    subprocess.run([str(VLLM_PYTHON), "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps", str(wheel)],
-                   check=True, capture_output=True, env=_env())
+    subprocess.run([str(VLLM_PYTHON), "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps",
+                    str(wheel)], check=True, capture_output=True, env=_env())
     return python
 
 
@@ -170,7 +170,8 @@ def report(res: dict | None) -> list[str]:
     """The section of docs/BENCHMARKS.md."""
     lines = ["", "## 5. The PLE offload worker after a restart", ""]
     if not res:
-        return lines + ["Not measured in this run (it needs .venv-vllm, whose torch and safetensors the worker uses).", ""]
+        return lines + ["Not measured in this run (it needs .venv-vllm, whose torch and safetensors the worker uses).",
+                        ""]
     tok = res["ids"] // 16
     shape = res.get("sidecar")  # absent in results of runs before the worker took the published shape only
     table = "" if not shape else (
@@ -188,7 +189,8 @@ def report(res: dict | None) -> list[str]:
               "requests to within 5% |", "|---|---|---|---|---|---|"]
     for name, c in res["cases"].items():
         lines.append(f"| {name} | {c['load_s']:.2f} s{_range(c, 'load_s', '.2f')} | {c['first'] / 16:.0f}"
-                     f"{_range(c, 'first', '.0f', 1 / 16)} | {c['asymptote'] / 16:.0f}{_range(c, 'asymptote', '.0f', 1 / 16)} | "
+                     f"{_range(c, 'first', '.0f', 1 / 16)} | "
+                     f"{c['asymptote'] / 16:.0f}{_range(c, 'asymptote', '.0f', 1 / 16)} | "
                      f"{c['first_over_asymptote']:.2f}{_range(c, 'first_over_asymptote', '.2f')} | "
                      f"{c['requests_to_5pct']:.0f}{_range(c, 'requests_to_5pct', '.0f')} |")
     s = res["startup_ms"]

@@ -170,8 +170,10 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("sidecar")
     p.add_argument("--model-rows", type=int, default=MODEL_ROWS,
-                   help=f"the model's PLE rows (default {MODEL_ROWS:,}: the published model's {PUBLISHED_SHARDS} shards)")
-    p.add_argument("--model-width", type=int, default=MODEL_WIDTH, help=f"the model's PLE width (default {MODEL_WIDTH})")
+                   help=f"the model's PLE rows (default {MODEL_ROWS:,}: "
+                        f"the published model's {PUBLISHED_SHARDS} shards)")
+    p.add_argument("--model-width", type=int, default=MODEL_WIDTH,
+                   help=f"the model's PLE width (default {MODEL_WIDTH})")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--requests", type=int, default=0)
     p.add_argument("--ids", type=int, default=8192)
@@ -182,8 +184,8 @@ def main() -> int:
     ctx = multiprocessing.get_context("spawn")  # vLLM's get_mp_context() for the offload worker
     results, release = ctx.Queue(), ctx.Event()
     check = [int(x) for x in a.check.split(",") if x]
-    procs = [ctx.Process(target=worker, args=(a.sidecar, a.model_rows, a.model_width, a.requests, a.ids, check, a.seed + i,
-                                              results, release))
+    procs = [ctx.Process(target=worker, args=(a.sidecar, a.model_rows, a.model_width, a.requests, a.ids, check,
+                                              a.seed + i, results, release))
              for i in range(a.workers)]
     for proc in procs:
         proc.start()

@@ -20,8 +20,8 @@ Sections come out in the order they were registered (this module's own first); `
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 GiB = 1024**3
 MiB = 1024**2
@@ -80,7 +80,8 @@ def render(res: dict) -> str:
         "# Benchmarks", "",
         f"Produced by `{res.get('command', 'make bench')}` on {m['date']}. Medians over the repeats, with (min-max).",
         "These are measurements, not tests: the test suite has no timing thresholds.", "",
-        f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB RAM, kernel {m['kernel']}, Python {m['python']}, "
+        f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB RAM, kernel {m['kernel']}, "
+        f"Python {m['python']}, "
         f"shmem_enabled `{m['shmem_enabled']}`.",
     ]
     if "table" in res and "staging" in res:
@@ -132,19 +133,23 @@ def staging(res: dict) -> list[str] | None:
     peak = st["pled cold"]["peak_page_cache"]
     lines += [
         "",
-        f"- Peak page cache of the sidecar during pled's cold staging (sampled every 5 ms): {fmt(peak, ' MiB', 1 / MiB, 1)}; "
+        "- Peak page cache of the sidecar during pled's cold staging (sampled every 5 ms): "
+        f"{fmt(peak, ' MiB', 1 / MiB, 1)}; "
         f"the largest shard is {st['largest_shard'] / MiB:.1f} MiB (ratio {peak['median'] / st['largest_shard']:.2f}).",
         f"- Huge-page share of the staged table: {fmt(st['pled cold']['huge_share'], '', 100, 0)} % "
         f"(shmem_enabled `{m['shmem_enabled']}`)."
-        + (f" With `advise`, set for the huge-page runs and restored after: `{res['huge_share'].split(' INFO ', 1)[-1]}`"
+        + (" With `advise`, set for the huge-page runs and restored after: "
+           f"`{res['huge_share'].split(' INFO ', 1)[-1]}`"
            if res.get("huge_share") else ""),
     ]
     d = res.get("daemon")
     if d:
         lines.append(
-            f"- pled's own memory, the daemon serving this table and a 128-shard one: VmRSS {d['VmRSS'] / MiB:.1f} MiB, "
+            "- pled's own memory, the daemon serving this table and a 128-shard one: "
+            f"VmRSS {d['VmRSS'] / MiB:.1f} MiB, "
             f"of which mapped table pages (RssShmem) {d.get('RssShmem', 0) / MiB:.1f} MiB, so "
-            f"{(d['VmRSS'] - d.get('RssShmem', 0)) / MiB:.1f} MiB besides the table; peak VmHWM {d['VmHWM'] / MiB:.1f} MiB.")
+            f"{(d['VmRSS'] - d.get('RssShmem', 0)) / MiB:.1f} MiB besides the table; "
+            f"peak VmHWM {d['VmHWM'] / MiB:.1f} MiB.")
     return lines
 
 
@@ -160,9 +165,11 @@ def attach(res: dict) -> list[str] | None:
              "| table | shards | median | p99 | max |", "|---|---|---|---|---|"]
     for name in tables:
         a = at[name]
-        lines.append(f"| {name} | {a['shards']} | {a['median_ms']:.3f} ms | {a['p99_ms']:.3f} ms | {a['max_ms']:.3f} ms |")
+        lines.append(f"| {name} | {a['shards']} | {a['median_ms']:.3f} ms | {a['p99_ms']:.3f} ms | "
+                     f"{a['max_ms']:.3f} ms |")
     huge = res.get("attach_huge")
-    lines += ["", "Pre-faulting (`MADV_POPULATE_READ`, then one read per page) per GiB, fresh process each time: 4 KiB pages "
+    lines += ["", "Pre-faulting (`MADV_POPULATE_READ`, then one read per page) per GiB, fresh process each time: "
+                  "4 KiB pages "
                   f"{fmt(at['populate_s_per_gib'], ' ms', 1e3, 1)}"
               + (f"; huge pages {fmt(huge['populate_s_per_gib'], ' ms', 1e3, 1)}." if huge else
                  "; huge pages not measured (shmem_enabled could not be set).")]
@@ -183,7 +190,8 @@ def gathers(res: dict) -> list[str] | None:
              "| case | first request, rows/s | first 10 | asymptote | first / asymptote | requests to within 5% |",
              "|---|---|---|---|---|---|"]
     for name, g in ga.items():
-        lines.append(f"| {name} | {fmt(g['first'], '', 1, 0)} | {fmt(g['first10'], '', 1, 0)} | {fmt(g['asymptote'], '', 1, 0)} | "
+        lines.append(f"| {name} | {fmt(g['first'], '', 1, 0)} | {fmt(g['first10'], '', 1, 0)} | "
+                     f"{fmt(g['asymptote'], '', 1, 0)} | "
                      f"{fmt(g['first_over_asymptote'])} | {g['requests_to_5pct']['median']:.0f} |")
     if all(k in ga for k in (MMAP_COLD, MMAP_WARM, PLED_PREFAULTED)):
         warm = ga[MMAP_WARM]["asymptote"]["median"]
@@ -202,7 +210,8 @@ def restart(res: dict) -> list[str] | None:
     lines = ["## 4. Restart cost", "",
              "From `pled serve` starting to `ready:` (Python start-up included), page cache of the sidecar dropped "
              "before each start. Bytes read is the process's rchar, every byte it read through a system call: its "
-             "Python imports in both; a fresh staging reads the sidecar once and its own region once more, to hash it.", "",
+             "Python imports in both; a fresh staging reads the sidecar once and its own region once more, to hash it.",
+             "",
              "| start | time to ready | bytes read |", "|---|---|---|"]
     for name, r in rs.items():
         lines.append(f"| {name} | {fmt(r['seconds'], ' s')} | {r['rchar']['median'] / MiB:.1f} MiB |")
@@ -226,7 +235,8 @@ def pled_targets(res: dict) -> list[tuple[bool, str]] | None:
         first = g["first_over_asymptote"]["median"]
         others = [(PLED_HUGE, "with huge pages"), (PLED_NOT_PREFAULTED, "a fresh mapping without pre-faulting"),
                   (MMAP_COLD, "the cold files")]
-        compared = "; ".join(f"{what} {ga[key]['first_over_asymptote']['median']:.2f}" for key, what in others if key in ga)
+        compared = "; ".join(f"{what} {ga[key]['first_over_asymptote']['median']:.2f}"
+                             for key, what in others if key in ga)
         out.append((first >= TARGETS["first_gather"],
                     f"pled's first gather request at {first:.2f} of its asymptote (target {TARGETS['first_gather']}); "
                     f"per run {', '.join(f'{r:.2f}' for r in g['runs_first_over_asymptote'])}"
@@ -235,14 +245,18 @@ def pled_targets(res: dict) -> list[tuple[bool, str]] | None:
     out.append((p99 < TARGETS["attach_p99_ms"],
                 f"attach p99 {p99:.3f} ms without pre-faulting (target under {TARGETS['attach_p99_ms']} ms)"))
     adopt = rs["adopted from the fd store"]["seconds"]["median"]
-    out.append((adopt < TARGETS["adopt_s"], f"adoption from the fd store ready in {adopt:.2f} s (target under {TARGETS['adopt_s']} s)"))
+    out.append((adopt < TARGETS["adopt_s"],
+                f"adoption from the fd store ready in {adopt:.2f} s (target under {TARGETS['adopt_s']} s)"))
     own = (res["daemon"]["VmRSS"] - res["daemon"].get("RssShmem", 0)) / MiB
-    out.append((own < TARGETS["daemon_mib"], f"daemon memory besides the table {own:.1f} MiB (target under {TARGETS['daemon_mib']} MiB)"))
+    out.append((own < TARGETS["daemon_mib"],
+                f"daemon memory besides the table {own:.1f} MiB (target under {TARGETS['daemon_mib']} MiB)"))
     cache = st["pled cold"]["peak_page_cache"]["median"] / st["largest_shard"]
     out.append((cache <= TARGETS["page_cache_shards"],
-                f"page cache during staging at most {cache:.2f} of the largest shard (target {TARGETS['page_cache_shards']})"))
+                f"page cache during staging at most {cache:.2f} of the largest shard "
+                f"(target {TARGETS['page_cache_shards']})"))
     if "pled without digests cold" in st:
         hashing = st["pled cold"]["gb_s"]["median"] / st["pled without digests cold"]["gb_s"]["median"]
         out.append((hashing >= TARGETS["hashing"],
-                    f"staging with content digests at {hashing:.2f} of staging without them (target {TARGETS['hashing']})"))
+                    f"staging with content digests at {hashing:.2f} of staging without them "
+                    f"(target {TARGETS['hashing']})"))
     return out

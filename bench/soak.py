@@ -178,8 +178,10 @@ def _good_client(path: str, stop: threading.Event, result: dict) -> None:
     rng = random.Random()
     while not stop.is_set():
         try:
-            with attach("a", socket=path, timeout=10, populate=False) as t, open((sh := rng.choice(t.shards)).path, "rb") as f:
-                for at, n in ((at, min(4096, sh.size - at)) for at in (0, max(0, sh.size - 4096), rng.randrange(sh.size))):
+            with (attach("a", socket=path, timeout=10, populate=False) as t,
+                  open((sh := rng.choice(t.shards)).path, "rb") as f):
+                for at, n in ((at, min(4096, sh.size - at))
+                              for at in (0, max(0, sh.size - 4096), rng.randrange(sh.size))):
                     if t.buffer[sh.offset + at: sh.offset + at + n] != os.pread(f.fileno(), n, at):
                         result["mismatches"] += 1
                         result.setdefault("errors", []).append(f"bytes differ from {sh.path} at {at}")
@@ -230,9 +232,10 @@ def run(work: Path, seconds: float = 120.0, reload_every: float = 3.0, good_clie
             fit = s.recv(waiting := _waiting(s, 4.0), socket.MSG_PEEK).count(b"\0")
         found = {"fit": (fit, waiting // max(fit, 1)), "stuck": 0, "fds": 0, "breaches": []}
         threads = [threading.Thread(target=_attacker, args=(k, sock, stop, counts), daemon=True) for k in KINDS[:-1]]
-        threads += [threading.Thread(target=_stuck, args=(sock, stop, counts, found, phase, reload_every, i), daemon=True)
-                    for i in range(STUCK_THREADS)]
-        threads += [threading.Thread(target=_good_client, args=(sock, stop, good), daemon=True) for _ in range(good_clients)]
+        threads += [threading.Thread(target=_stuck, args=(sock, stop, counts, found, phase, reload_every, i),
+                                     daemon=True) for i in range(STUCK_THREADS)]
+        threads += [threading.Thread(target=_good_client, args=(sock, stop, good), daemon=True)
+                    for _ in range(good_clients)]
         for t in threads:
             t.start()
         reloads, peak_rss, peak_fds = 0, before["rss"], before["fds"]
@@ -260,8 +263,9 @@ def run(work: Path, seconds: float = 120.0, reload_every: float = 3.0, good_clie
             "reloads_done": log_text.count("reload done"), "reloads_failed": log_text.count("reload failed"),
             "misbehaving": counts, "good": {k: v for k, v in good.items() if k != "errors"},
             "good_errors": sorted(set(good.get("errors", [])))[:5],
-            "stuck": {"replies_that_fit": fit, "tuned_to": found["fit"][0], "attach_replies_stuck": found["stuck"], "fds_checked":
-                      found["fds"], "breaches": len(found["breaches"]), "breach_examples": sorted(set(found["breaches"]))[:5]},
+            "stuck": {"replies_that_fit": fit, "tuned_to": found["fit"][0], "attach_replies_stuck": found["stuck"],
+                      "fds_checked": found["fds"], "breaches": len(found["breaches"]),
+                      "breach_examples": sorted(set(found["breaches"]))[:5]},
             "before": before, "after": after, "peak_rss": peak_rss, "peak_fds": peak_fds,
             "dropped_logged": log_text.count("dropping pid"), "alive": pled.poll() is None,
             "tables_after": [t["table"] for t in st["tables"]],
@@ -287,12 +291,14 @@ def report(s: dict) -> list[str]:
              f"| host Shmem | {b['shmem'] / MiB:.1f} MiB | | {a['shmem'] / MiB:.1f} MiB |", "",
              f"Well-behaved attaches: {s['good']['ok']} served, {s['good']['refused']} refused"
              + (f" ({'; '.join(s['good_errors'])})" if s["good_errors"] else "")
-             + (f", {s['good']['mismatches']} byte mismatches with the source files" if "mismatches" in s["good"] else "")
+             + (f", {s['good']['mismatches']} byte mismatches with the source files"
+                if "mismatches" in s["good"] else "")
              + f"; pled {'still serving' if s['alive'] else 'NOT running'} afterwards."]
     if st := s.get("stuck"):
-        lines += ["", f"Stuck replies over a reload ({STUCK_THREADS} threads): {st['replies_that_fit']} Ping replies fit in pled's socket "
-                  f"buffer (tuned to {st['tuned_to']}); {st['attach_replies_stuck']} Attach replies of a table waited in pled's queue over "
-                  f"the reload releasing it; {st['breaches']} of the {st['fds_checked']} fds received were not its sealed memfd"
+        lines += ["", f"Stuck replies over a reload ({STUCK_THREADS} threads): {st['replies_that_fit']} Ping replies "
+                  f"fit in pled's socket buffer (tuned to {st['tuned_to']}); {st['attach_replies_stuck']} "
+                  "Attach replies of a table waited in pled's queue over the reload releasing it; "
+                  f"{st['breaches']} of the {st['fds_checked']} fds received were not its sealed memfd"
                   + (f" ({'; '.join(st['breach_examples'])})" if st["breach_examples"] else "") + "."]
     return lines
 
@@ -308,14 +314,17 @@ def verdicts(res: dict) -> list[tuple[bool, str]] | None:
     if not s:
         return None
     b, a, good, st = s["before"], s["after"], s["good"], s.get("stuck", {})
-    out = [(s["alive"] and good["refused"] == good.get("mismatches", 0) == 0, f"soak: pled still serving, {good['refused']} of "
-            f"{good['ok'] + good['refused']} well-behaved attaches refused" + (f", {good['mismatches']} byte mismatches "
-            "with the source files" if "mismatches" in good else "") + " (target 0)"),
+    out = [(s["alive"] and good["refused"] == good.get("mismatches", 0) == 0,
+            f"soak: pled still serving, {good['refused']} of "
+            f"{good['ok'] + good['refused']} well-behaved attaches refused"
+            + (f", {good['mismatches']} byte mismatches with the source files" if "mismatches" in good else "")
+            + " (target 0)"),
            (a["fds"] == b["fds"] and a["memfds"] == b["memfds"],
-            f"soak: pled's fds {b['fds']} -> {a['fds']}, memfds {b['memfds']} -> {a['memfds']} (target: back where they started)")]
+            f"soak: pled's fds {b['fds']} -> {a['fds']}, memfds {b['memfds']} -> {a['memfds']} "
+            "(target: back where they started)")]
     if st:
-        out.append((st["breaches"] == 0, f"soak: {st['breaches']} of {st['fds_checked']} fds sent over stuck Attach replies "
-                    "not the table's sealed memfd (target 0)"))
+        out.append((st["breaches"] == 0, f"soak: {st['breaches']} of {st['fds_checked']} fds sent over stuck Attach "
+                    "replies not the table's sealed memfd (target 0)"))
     return out
 
 
@@ -333,7 +342,8 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(res, indent=2))
     print("\n".join(report(res)))
-    return 0 if res["alive"] and res["good"]["refused"] == res["good"]["mismatches"] == res["stuck"]["breaches"] == 0 else 1
+    good, stuck = res["good"], res["stuck"]
+    return 0 if res["alive"] and good["refused"] == good["mismatches"] == stuck["breaches"] == 0 else 1
 
 
 if __name__ == "__main__":

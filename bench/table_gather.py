@@ -58,7 +58,8 @@ def _torch_setup(case: str, table: str, socket: str, ids: int):
     shards = [t.shard_tensors(s) for s in range(len(m.shards))]
     starts = torch.tensor([0] + [s.rows for s in m.shards][:-1]).cumsum(0)
     # warm the op chain's code on a small table in anonymous memory, as the numpy worker does
-    small = [{k: torch.zeros((64, *v.shape[1:]) if v.dim() else (), dtype=v.dtype) for k, v in s.items()} for s in shards]
+    small = [{k: torch.zeros((64, *v.shape[1:]) if v.dim() else (), dtype=v.dtype) for k, v in s.items()}
+             for s in shards]
     for _ in range(3):
         op_chain.gather(m.layout, small, torch.arange(len(small)) * 64, torch.randint(0, 64 * len(small), (ids,)),
                         torch.empty((ids, m.row_width), dtype=torch.bfloat16))
@@ -99,7 +100,7 @@ def worker(case: str, table: str, socket: str, requests: int, ids: int, seed: in
         gather(batch)
         return ids / (time.perf_counter() - t), _minflt() - f
 
-    rates, faults = zip(*(one() for _ in range(requests)))
+    rates, faults = zip(*(one() for _ in range(requests)), strict=True)
     time.sleep(IDLE_S)
     after_idle = one()[0]
     return {"setup_s": setup, "populate_s": populate, "rows_per_s": rates, "faults": faults, "after_idle": after_idle}
@@ -119,7 +120,8 @@ def one_run(case: str, table: str, socket: str, requests: int, ids: int, seed: i
     within = next((i + 1 for i, x in enumerate(rates) if x >= 0.95 * asymptote), requests)
     return {"first": rates[0], "asymptote": asymptote, "first_over_asymptote": rates[0] / asymptote,
             "requests_to_5pct": within, "faults_first": faults[0], "faults_after_first": max(faults[1:], default=0),
-            "faults_after_first_mean": statistics.mean(faults[1:]) if faults[1:] else 0.0, "populate_s": data["populate_s"],
+            "faults_after_first_mean": statistics.mean(faults[1:]) if faults[1:] else 0.0,
+            "populate_s": data["populate_s"],
             "after_idle_over_asymptote": data["after_idle"] / asymptote}
 
 
@@ -133,7 +135,8 @@ def run(socket: str, table: str, repeats: int, requests: int, ids: int, settle=N
             r = one_run(case, table, socket, requests, ids, seed=rep + 1)
             runs[case].append(r)
             log(f"table gather {case}: first/asymptote {r['first_over_asymptote']:.2f}, asymptote "
-                f"{r['asymptote']:.0f} rows/s, {r['requests_to_5pct']} requests to 5%, faults first {r['faults_first']}, "
+                f"{r['asymptote']:.0f} rows/s, {r['requests_to_5pct']} requests to 5%, "
+                f"faults first {r['faults_first']}, "
                 f"after {r['faults_after_first']}, after {IDLE_S} s idle {r['after_idle_over_asymptote']:.2f}")
     keys = ("first", "asymptote", "first_over_asymptote", "requests_to_5pct", "faults_first", "faults_after_first",
             "faults_after_first_mean", "populate_s", "after_idle_over_asymptote")
@@ -141,9 +144,9 @@ def run(socket: str, table: str, repeats: int, requests: int, ids: int, settle=N
            "idle_s": IDLE_S}
     # rows/s of Table.gather over the op chain, per repeat (the two ran within the same minute)
     out["speedup_over_op_chain"] = _summary([a["asymptote"] / b["asymptote"]
-                                             for a, b in zip(runs["Table.gather"], runs["op chain"])])
+                                             for a, b in zip(runs["Table.gather"], runs["op chain"], strict=True)])
     out["speedup_over_numpy"] = _summary([a["asymptote"] / b["asymptote"]
-                                          for a, b in zip(runs["Table.gather"], runs["numpy worker"])])
+                                          for a, b in zip(runs["Table.gather"], runs["numpy worker"], strict=True)])
     return out
 
 
@@ -163,27 +166,32 @@ def report_lines(res: dict) -> list[str]:
     n = first["cases"]["Table.gather"]["first"]["n"]
     lines = ["## 6. pled's own `Table.gather`", "",
              f"{res['gather_ids']} random row ids per request, {res['gather_requests']} requests per run, into a "
-             f"bfloat16 output allocated once; each case {n} times in fresh processes, interleaved (A, B, C, ..., A, ...), "
+             f"bfloat16 output allocated once; each case {n} times in fresh processes, "
+             "interleaved (A, B, C, ..., A, ...), "
              "all pre-faulted. numpy worker: section 3's gather; op chain: the published offload worker's torch ops "
              "per shard (bench/op_chain.py); Table.gather with `attach(..., warm_rows=ids)` (gathers of random ids "
              "until two in a row take the same time), without it, and with it on one torch thread "
              "(`torch.set_num_threads(1)`; the others use torch's default, one thread a core). "
              "Faults: the process's minor page faults during one request. After idle: once the requests are done, the "
-             f"process sleeps {first.get('idle_s', IDLE_S)} s and times one request more; no warm-up can reach that one, so it shows what "
+             f"process sleeps {first.get('idle_s', IDLE_S)} s and times one request more; "
+             "no warm-up can reach that one, so it shows what "
              "any request after a pause costs on this machine, beside what the first one costs.", "",
              "| pages | case | first / asymptote | asymptote, rows/s | requests to within 5% | faults, first request | "
              "faults per request after the first (max) | after idle / asymptote |", "|---|---|---|---|---|---|---|---|"]
     for pages, block in tg.items():
         for case, c in block["cases"].items():
-            lines.append(f"| {pages} | {case} | {report.fmt(c['first_over_asymptote'])} | {report.fmt(c['asymptote'], digits=0)} | "
+            lines.append(f"| {pages} | {case} | {report.fmt(c['first_over_asymptote'])} | "
+                         f"{report.fmt(c['asymptote'], digits=0)} | "
                          f"{c['requests_to_5pct']['median']:.0f} ({c['requests_to_5pct']['min']:.0f}-"
                          f"{c['requests_to_5pct']['max']:.0f}) | {c['faults_first']['median']:.0f} | "
                          f"{c['faults_after_first']['median']:.0f} ({c['faults_after_first']['max']:.0f}) | "
-                         f"{report.fmt(c['after_idle_over_asymptote']) if 'after_idle_over_asymptote' in c else 'not measured'} |")
+                         + (report.fmt(c['after_idle_over_asymptote']) if 'after_idle_over_asymptote' in c
+                            else 'not measured') + " |")
     lines += [""]
     for pages, block in tg.items():
         runs = ", ".join(f"{r['first_over_asymptote']:.2f}" for r in block["cases"]["Table.gather"]["runs"])
-        lines.append(f"- {pages}: Table.gather's rows/s at {report.fmt(block['speedup_over_op_chain'])}x the op chain's and "
+        lines.append(f"- {pages}: Table.gather's rows/s at {report.fmt(block['speedup_over_op_chain'])}x "
+                     "the op chain's and "
                      f"{report.fmt(block['speedup_over_numpy'])}x the numpy worker's (asymptotes, per repeat); first / "
                      f"asymptote per run {runs}.")
     return lines
@@ -256,7 +264,8 @@ def main() -> int:
                 huge = start(work, {"ples_int4": d}, name="huge", wait=None)
                 stack.callback(huge.stop)
                 huge.wait_ready(timeout=600)
-                res["table_gather"]["huge pages"] = run(huge.socket, "ples_int4", a.repeats, a.requests, a.ids, wait, log)
+                res["table_gather"]["huge pages"] = run(huge.socket, "ples_int4", a.repeats, a.requests, a.ids, wait,
+                                                        log)
             res["shmem_enabled_restored"] = SHMEM.read_text() == before
             log(f"shmem_enabled restored: {SHMEM.read_text().strip()!r} (was {before.strip()!r})")
     finally:

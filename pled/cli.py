@@ -16,15 +16,15 @@ except ImportError as err:  # pled[client] alone: the library and the vLLM plugi
     raise SystemExit(f"pled: the pled command needs the daemon's dependencies ({err.name} is missing): "
                      "pip install 'pled[daemon]'") from None
 from pled.shared.boundary import say
-from pled.shared.layouts import LAYOUTS
 from pled.shared.errors import EX_CONFIG, EX_INTERRUPTED, EX_NOT_RUNNING, EX_USAGE, PledError
+from pled.shared.layouts import LAYOUTS
 
 log = logging.getLogger("pled")
 
 
 def _inspect(args) -> int:
-    from pled.shared import region
     from pled.daemon.sidecar import open_table
+    from pled.shared import region
     from pled.shared.sizes import gib
 
     sidecar = open_table(args.path)
@@ -40,7 +40,8 @@ def _inspect(args) -> int:
         per = sorted({s.rows for s in shards})
         say(f"  rows       {sidecar.rows} ({'/'.join(map(str, per))} per shard)")
         say(f"  row width  {sidecar.row_width}")
-    say(f"  bytes      {sidecar.nbytes} ({gib(sidecar.nbytes)}); region {manifest.region_bytes} ({gib(manifest.region_bytes)}) with alignment")
+    say(f"  bytes      {sidecar.nbytes} ({gib(sidecar.nbytes)}); "
+        f"region {manifest.region_bytes} ({gib(manifest.region_bytes)}) with alignment")
     if sidecar.meta:
         from pled.daemon.sidecar_meta import COUNT_KEYS, other_keys
 
@@ -188,7 +189,8 @@ def _make_sidecar(args) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pled", description="Keep a large model's embedding tables resident in shared memory.")
+    p = argparse.ArgumentParser(prog="pled",
+                                description="Keep a large model's embedding tables resident in shared memory.")
     p.add_argument("--version", action="version", version=f"pled {__version__}")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = p.add_subparsers(dest="command", required=True)
@@ -223,7 +225,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the reload (default 3600)")
     s.set_defaults(func=_reload)
 
-    s = sub.add_parser("verify", parents=[daemon], help="compare each table in memory with its source files, byte for byte")
+    s = sub.add_parser("verify", parents=[daemon],
+                       help="compare each table in memory with its source files, byte for byte")
     s.add_argument("table", nargs="?", help="one table (default: all)")
     s.set_defaults(func=_verify)
 

@@ -9,12 +9,12 @@ import time
 
 import numpy as np
 
-from pled.shared import dequant, region
 from pled.daemon import preflight, staging
-from pled.shared.errors import EX_CONFIG
-from pled.generator import make_sidecar
-from pled.shared.pagecache import cached_bytes
 from pled.daemon.sidecar import open_table
+from pled.generator import make_sidecar
+from pled.shared import dequant, region
+from pled.shared.errors import EX_CONFIG
+from pled.shared.pagecache import cached_bytes
 from pled.shared.sizes import gib, rate
 
 
@@ -37,7 +37,8 @@ def _run(work: str, layout: str, shards: int, rows: int, seed: int) -> int:
     path = os.path.join(work, layout)
     t = time.perf_counter()
     make_sidecar(path, layout, shards=shards, rows=rows, seed=seed)
-    print(f"1. made a synthetic {layout} sidecar in {path}: {shards} shards x {rows} rows ({time.perf_counter() - t:.1f} s)")
+    print(f"1. made a synthetic {layout} sidecar in {path}: {shards} shards x {rows} rows "
+          f"({time.perf_counter() - t:.1f} s)")
 
     sidecar = open_table(path)
     manifest = region.plan(layout, sidecar)
@@ -78,7 +79,8 @@ def _run(work: str, layout: str, shards: int, rows: int, seed: int) -> int:
             from_region = dequant.dequant_rows(layout, _tensors(view, m.tensors, shard), local)
             with open(m.shards[shard].path, "rb") as f:
                 data = f.read()
-            from_file = dequant.dequant_rows(layout, _tensors(data, m.tensors, shard, base=m.shards[shard].offset), local)
+            from_file = dequant.dequant_rows(layout, _tensors(data, m.tensors, shard, base=m.shards[shard].offset),
+                                             local)
             same = np.array_equal(from_region, from_file, equal_nan=True)
             print(f"7. row {global_row:>7} (shard {shard}, row {int(local[0])}): "
                   f"{' '.join(f'{v:+.4f}' for v in from_region[0, :4])} ... identical to the file: {same}")

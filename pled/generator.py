@@ -18,9 +18,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pled.shared import layouts
 from pled.daemon.safetensors_file import write
 from pled.daemon.sidecar_meta import META_LAYOUT
+from pled.shared import layouts
 
 
 def _fp8_codes(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
@@ -33,7 +33,8 @@ def _positive_fp8_scale(rng: np.random.Generator, shape: tuple[int, ...]) -> np.
     return rng.integers(4 << 3, 11 << 3, size=shape, dtype=np.uint8)
 
 
-def shard_tensors(layout: str, rows: int, width: int, rng: np.random.Generator) -> list[tuple[str, str, tuple[int, ...], np.ndarray]]:
+def shard_tensors(layout: str, rows: int, width: int,
+                  rng: np.random.Generator) -> list[tuple[str, str, tuple[int, ...], np.ndarray]]:
     if layout == "ples_fp8":
         return [
             ("weight_fp8", "F8_E4M3", (rows, width), _fp8_codes(rng, (rows, width))),
@@ -42,7 +43,8 @@ def shard_tensors(layout: str, rows: int, width: int, rng: np.random.Generator) 
     if layout == "ples_int4":
         return [
             ("weight_i4", "U8", (rows, width // 2), rng.integers(0, 256, size=(rows, width // 2), dtype=np.uint8)),
-            ("weight_scale", "F16", (rows, width // 16), rng.uniform(1e-3, 5e-2, size=(rows, width // 16)).astype(np.float16)),
+            ("weight_scale", "F16", (rows, width // 16),
+             rng.uniform(1e-3, 5e-2, size=(rows, width // 16)).astype(np.float16)),
         ]
     if layout == "ples_nvfp4":
         return [
@@ -75,9 +77,10 @@ def make_sidecar(directory: str, layout: str = "ples_int4", shards: int | None =
     for i, count in enumerate(per_shard):
         rng = np.random.default_rng([seed, i])
         path = os.path.join(directory, f"shard_{i}.safetensors")
-        digests[os.path.basename(path)] = write(path, [(n, d, s, a.tobytes() if a.ndim == 0 else memoryview(np.ascontiguousarray(a)).cast("B"))
-                     for n, d, s, a in shard_tensors(layout, count, width, rng)],
-              metadata={"format": "pt", "layout": layout})
+        digests[os.path.basename(path)] = write(
+            path, [(n, d, s, a.tobytes() if a.ndim == 0 else memoryview(np.ascontiguousarray(a)).cast("B"))
+                   for n, d, s, a in shard_tensors(layout, count, width, rng)],
+            metadata={"format": "pt", "layout": layout})
         paths.append(path)
     # The published form (see pled.daemon.sidecar_meta): its layout string, shards, rows in all, width; then ours.
     even = len(set(per_shard)) == 1

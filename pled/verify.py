@@ -64,8 +64,8 @@ def verify_shard(table: client.Table, index: int, out=sys.stdout) -> bool:
                     return False
                 if region_bytes[done : done + len(data)] != data:
                     at = done + _first_difference(region_bytes[done : done + len(data)], data)
-                    say(f"{prefix} DIFFERS at byte {at}: the region has 0x{region_bytes[at]:02x}, the file 0x{data[at - done]:02x}",
-                          file=out)
+                    say(f"{prefix} DIFFERS at byte {at}: the region has 0x{region_bytes[at]:02x}, "
+                        f"the file 0x{data[at - done]:02x}", file=out)
                     return False
                 os.posix_fadvise(fd, done, len(data), os.POSIX_FADV_DONTNEED)
                 done += len(data)
@@ -85,7 +85,8 @@ def verify(socket: str, table: str | None = None, out=sys.stdout) -> int:
         ok = True
         for name in names:
             with client.attach(name, socket=socket, populate=False) as t:
-                say(f"table {name} generation {t.generation}: {len(t.shards)} shards, {gib(t.manifest.source_bytes)}", file=out)
+                say(f"table {name} generation {t.generation}: {len(t.shards)} shards, "
+                    f"{gib(t.manifest.source_bytes)}", file=out)
                 results = [verify_shard(t, i, out) for i in range(len(t.shards))]
                 bad = results.count(False)
                 say(f"table {name}: {'all shards identical' if not bad else f'{bad} shard(s) differ'}", file=out)

@@ -6,7 +6,8 @@ GiB = 1024**3
 KB = 1024
 TABLE = int(29.8 * GiB)  # ples_int4, the real sidecar
 
-V1_MOUNT = "35 30 0:31 {root} /sys/fs/cgroup/memory rw,nosuid,nodev,noexec,relatime shared:16 - cgroup cgroup rw,memory\n"
+V1_MOUNT = ("35 30 0:31 {root} /sys/fs/cgroup/memory rw,nosuid,nodev,noexec,relatime shared:16 "
+            "- cgroup cgroup rw,memory\n")
 V2_MOUNT = "30 23 0:26 {root} /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime shared:4 - cgroup2 cgroup2 rw,nsdelegate\n"
 
 
@@ -26,8 +27,8 @@ class Host:
         lines = [f"MemTotal: {total // KB} kB", f"MemFree: {free // KB} kB"]
         if available is not None:
             lines.append(f"MemAvailable: {available // KB} kB")
-        lines += ["Active(file): 1048576 kB", "Inactive(file): 1048576 kB", f"SReclaimable: {slab_reclaimable // KB} kB",
-                  "HugePages_Total: 0"]
+        lines += ["Active(file): 1048576 kB", "Inactive(file): 1048576 kB",
+                  f"SReclaimable: {slab_reclaimable // KB} kB", "HugePages_Total: 0"]
         self.file("/proc/meminfo", "\n".join(lines) + "\n")
 
     def zfs_arc(self, size, c_min):

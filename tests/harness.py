@@ -345,7 +345,7 @@ class NotifySocket:
         while not self._stop:
             try:
                 data, ancdata, flags, _ = self.sock.recvmsg(65536, fd_space + cred_space)
-            except (TimeoutError, socket_mod.timeout):
+            except TimeoutError:
                 continue
             except OSError:
                 return

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import encodings.ascii  # noqa: F401  (codecs are imported lazily; the container's uid could not)
 import errno
 import hashlib
 import json
@@ -30,8 +31,6 @@ import os
 import socket
 import struct
 import sys
-
-import encodings.ascii  # noqa: F401  (codecs are imported lazily; the container's uid could not)
 
 import torch
 

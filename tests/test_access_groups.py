@@ -13,8 +13,8 @@ pytestmark = pytest.mark.root
 GROUP = 4242  # a gid nobody has: only the child's setgroups gives it
 
 
-@pytest.mark.parametrize("groups,expected", [([GROUP], "attached"), ([5151, GROUP], "attached"), ([], "PermissionDenied"),
-                                             ([5151], "PermissionDenied")])
+@pytest.mark.parametrize("groups,expected", [([GROUP], "attached"), ([5151, GROUP], "attached"),
+                                             ([], "PermissionDenied"), ([5151], "PermissionDenied")])
 def test_a_supplementary_group_in_allow_groups_may_attach(sidecar, daemon, open_dir, groups, expected):
     sock = os.path.join(open_dir, "pled.sock")
     pled = daemon({"t": sidecar(shards=1, rows=10)}, socket=sock, allow_groups=[GROUP])

@@ -1,4 +1,5 @@
-"""Adopting a region systemd kept (pled/daemon/fdstore.py): only one that is sealed and planned from the very same files.
+"""Adopting a region systemd kept (pled/daemon/fdstore.py): only one that is sealed and planned from the very same
+files.
 
 Real memfds and files; the Notifier has no NOTIFY_SOCKET, so FDSTOREREMOVE goes nowhere."""
 import logging
@@ -8,10 +9,10 @@ import shutil
 import pytest
 
 from pled.daemon import fdstore, staging
-from pled.shared import region
 from pled.daemon.fdstore import StoredFd
 from pled.daemon.notify import Notifier
 from pled.daemon.sidecar import open_table
+from pled.shared import region
 
 
 @pytest.fixture

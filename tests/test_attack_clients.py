@@ -61,7 +61,8 @@ def test_3_idle_connections_past_the_fd_limit_neither_spin_nor_lock_others_out(t
     stays_false(lambda: limit_lines(pled.log()) > 5, 2, "pled logs its limit over and over")
     assert_serving(pled, "t1", d)  # a newcomer is let in (an idle connection makes room for it)
     log = pled.log()
-    assert log.count("cannot accept") + log.count("refusing clients") + log.count("closing idle connections") <= 5, log[-2000:]
+    assert (log.count("cannot accept") + log.count("refusing clients")
+            + log.count("closing idle connections")) <= 5, log[-2000:]
     for s in idle:
         s.close()
     assert_serving(pled, "t1", d, before)
@@ -71,7 +72,8 @@ def test_3_accept_rests_while_no_fd_is_free(tmp_path, sidecar, pleds):
     """The cap is what keeps pled below its fd limit; with it lifted, accept() hits EMFILE: the listener must
     rest (not spin, not log a line per try) and take clients again once fds are free."""
     d = sidecar(shards=4, rows=64)
-    pled = start(tmp_path, {"t1": d}, nofile=256, patch="import pled.daemon.fdlimit as f; f.max_connections = lambda n: 4096")
+    pled = start(tmp_path, {"t1": d}, nofile=256,
+                 patch="import pled.daemon.fdlimit as f; f.max_connections = lambda n: 4096")
     pleds.append(pled)
     before = baseline(pled, "t1")
     idle = idle_connections(pled.socket, 400)
@@ -209,14 +211,14 @@ def test_a_group_member_holding_attached_connections_cannot_lock_out_root_or_oth
     import signal as signal_mod
 
     from harness import unused_gid
-
     from pled import client
     from pled.daemon import fdlimit
 
     gid = unused_gid()
     d = sidecar(shards=2, rows=64)
     sock_path = os.path.join(open_dir, "pled.sock")
-    pled = start(tmp_path, {"t1": d}, socket=sock_path, nofile=200, prefix=["setpriv", f"--regid={gid}", "--clear-groups"])
+    pled = start(tmp_path, {"t1": d}, socket=sock_path, nofile=200,
+                 prefix=["setpriv", f"--regid={gid}", "--clear-groups"])
     pleds.append(pled)
     cap = fdlimit.max_connections(200)
     r, w = os.pipe()

@@ -50,12 +50,14 @@ def huge_int_header(p):
 
 
 def huge_header(p):
-    header = json.dumps({f"t{i}": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]} for i in range(200_000)}).encode()
+    header = json.dumps({f"t{i}": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}
+                         for i in range(200_000)}).encode()
     st_file(p, header)  # valid, 11 MB, 200,000 zero-size tensors
 
 
 def repeated_key(p):
-    st_file(p, b'{"w":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"w":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', b"x")
+    st_file(p, b'{"w":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},'
+               b'"w":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', b"x")
 
 
 def bad_metadata(p):

@@ -69,19 +69,22 @@ def test_no_figure_in_the_report_survives_a_change_of_every_measurement():
     renders = [report.render(perturbed(res, seed)).splitlines() for seed in (1, 2, 3, 4, 5)]
     assert len({len(r) for r in renders}) == 1
     ints = {res["gather_ids"], res["gather_requests"], res["table"]["shards"], res["table"]["rows"], 2}
-    ints |= {a["n"] for a in res["attach"].values() if "n" in a} | {a["shards"] for a in res["attach"].values() if "shards" in a}
+    ints |= {a["n"] for a in res["attach"].values() if "n" in a}
+    ints |= {a["shards"] for a in res["attach"].values() if "shards" in a}
     allowed = {str(v) for v in report.TARGETS.values()} | {f"{v:,}" for v in ints} | {str(v) for v in ints}
     allowed |= {str(v // 16) for v in ints}  # tokens per request, from the ids per request
     allowed |= {"1.00"}  # pled against itself in the staging table
     allowed |= {str(block["idle_s"]) for block in res["table_gather"].values()}  # the gather section's pause
-    allowed |= {"1", "2", "3", "4", "5", "6", "7", "10", "16", "99", "128"}  # sections, "every 5 ms", "first 10", "16 ids per token", "p99", a name
+    # sections, "every 5 ms", "first 10", "16 ids per token", "p99", a name
+    allowed |= {"1", "2", "3", "4", "5", "6", "7", "10", "16", "99", "128"}
     fixed = []
-    for lines in zip(*renders):  # a figure that comes out the same five times is fixed (a small ratio
+    for lines in zip(*renders, strict=True):  # a figure that comes out the same five times is fixed (a small ratio
         # rounded to two digits can agree two or three times by chance)
         numbers = [NUMBER.findall(line) for line in lines]
         if len({len(n) for n in numbers}) != 1:
             continue
-        fixed += [(same[0], lines[0]) for same in zip(*numbers) if len(set(same)) == 1 and same[0] not in allowed]
+        fixed += [(same[0], lines[0]) for same in zip(*numbers, strict=True)
+                  if len(set(same)) == 1 and same[0] not in allowed]
     assert not fixed, fixed
 
 
@@ -94,8 +97,9 @@ def test_the_report_renders_from_a_stored_result_on_the_command_line(tmp_path):
     stored = tmp_path / "result.json"
     stored.write_text(json.dumps(res))
     out = tmp_path / "BENCHMARKS.md"
-    r = subprocess.run([sys.executable, "-m", "bench", "--render", str(stored), "--out", str(out), "--json", str(tmp_path / "j")],
-                       capture_output=True, text=True, cwd=Path(__file__).parent.parent, timeout=60)
+    r = subprocess.run([sys.executable, "-m", "bench", "--render", str(stored), "--out", str(out),
+                        "--json", str(tmp_path / "j")], capture_output=True, text=True,
+                       cwd=Path(__file__).parent.parent, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "adoption from the fd store ready in 0.12 s" in out.read_text()
     assert out.read_text() == report.render(res)

@@ -87,7 +87,9 @@ def test_a_client_capped_far_below_the_table_reads_it_all_charged_to_pled(memcg,
         r = _run_in(client_cg, [sys.executable, "-c", CLIENT, socket, json.dumps(ROWS), str(client_cg)])
         peak = _v1(client_cg, "memory.max_usage_in_bytes")
         said = json.loads(r.stdout) if r.returncode == 0 else {"before": 0, "after": 0}
-        print(f"region {region_bytes / MiB:.0f} MiB; client cgroup: limit 192 MiB, before attaching {said['before'] / MiB:.0f} MiB, after reading and gathering {said['after'] / MiB:.0f} MiB, peak {peak / MiB:.0f} MiB, "
+        print(f"region {region_bytes / MiB:.0f} MiB; client cgroup: limit 192 MiB, "
+              f"before attaching {said['before'] / MiB:.0f} MiB, after reading and gathering "
+              f"{said['after'] / MiB:.0f} MiB, peak {peak / MiB:.0f} MiB, "
               f"shmem {_stat(client_cg, 'total_shmem') / MiB:.1f} MiB, failcnt {_v1(client_cg, 'memory.failcnt')}; "
               f"pled's cgroup: shmem {_stat(pled_cg, 'total_shmem') / MiB:.0f} MiB")
         assert r.returncode == 0, f"the client failed ({r.returncode}; -9: OOM-killed?) {r.stderr[-2000:]}"

@@ -26,7 +26,7 @@ from pled.client import connection, held_files, mapped_table
 from pled.client.connection import ClientError, DaemonUnavailable, ProtocolError
 from pled.client.library import attach
 from pled.shared import region
-from pled.shared.region import ALIGN, MAGIC, Manifest, ShardEntry, TensorEntry, _PREFIX
+from pled.shared.region import _PREFIX, ALIGN, MAGIC, Manifest, ShardEntry, TensorEntry
 
 FINGERPRINT = "f" * 64
 

@@ -108,7 +108,8 @@ def test_a_client_in_a_container_attaches_through_a_read_only_socket_mount(sidec
     assert attached["daemon_seen_as"] == {"pid": 0, "uid": 65534, "gid": 65534}
 
     # pled sees and lists the container's process by its host pid and host uid.
-    nspid = next(l for l in Path(f"/proc/{host_pid}/status").read_text().splitlines() if l.startswith("NSpid:"))
+    nspid = next(line for line in Path(f"/proc/{host_pid}/status").read_text().splitlines()
+                 if line.startswith("NSpid:"))
     assert nspid.split()[1:] == [str(host_pid), "1"]
     st = run_pled("status", "--json", "--socket", pled.socket)
     assert st.returncode == 0, st.stdout + st.stderr

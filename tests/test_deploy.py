@@ -17,8 +17,8 @@ from yamllint import config as yamllint_config, linter
 
 from harness import Daemon, write_config
 from pled.daemon import config as config_mod
-from pled.shared import region
 from pled.daemon.sidecar import open_table
+from pled.shared import region
 from pled.shared.sizes import parse_size
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
@@ -47,7 +47,8 @@ def test_every_yaml_file_passes_yamllint():
     conf = yamllint_config.YamlLintConfig(file=str(DEPLOY / ".yamllint"))
     files = sorted(DEPLOY.rglob("*.yaml"))
     assert len(files) >= 5
-    problems = [f"{f.relative_to(DEPLOY)}:{p.line}: {p.message}" for f in files for p in linter.run(f.read_text(), conf)]
+    problems = [f"{f.relative_to(DEPLOY)}:{p.line}: {p.message}"
+                for f in files for p in linter.run(f.read_text(), conf)]
     assert not problems, "\n".join(problems)
 
 
@@ -91,14 +92,15 @@ def build_wheel_as_the_recipe_does(containerfile: Path, tmp_path: Path) -> Path:
 
 @pytest.mark.parametrize("name", ["Containerfile", "vllm-with-pled.Containerfile"])
 def test_the_wheel_built_as_the_recipe_builds_it_carries_the_hook_and_licence(name, tmp_path):
-    """The wheel holds the start-up hook (at the top of site-packages), the licence and the package. Without setup.py
-    the hook is missing, without LICENSE the licence: a recipe that copies only pyproject.toml, README.md and pled/
-    fails here."""
+    """The wheel holds the start-up hook (at the top of site-packages), the licence and the package, with its
+    py.typed marker (PEP 561). Without setup.py the hook is missing, without LICENSE the licence: a recipe that
+    copies only pyproject.toml, README.md and pled/ fails here."""
     wheel = build_wheel_as_the_recipe_does(DEPLOY / name, tmp_path)
     names = zipfile.ZipFile(wheel).namelist()
     assert "pled-autoload.pth" in names, names
     assert any(n.endswith(".dist-info/licenses/LICENSE") or n.endswith(".dist-info/LICENSE") for n in names), names
-    assert {"pled/__init__.py", "pled/cli.py", "pled/autoload.py", "pled/client/vllm_plugin.py"} <= set(names)
+    assert {"pled/__init__.py", "pled/cli.py", "pled/autoload.py", "pled/client/vllm_plugin.py",
+            "pled/py.typed"} <= set(names)
 
 
 @pytest.mark.parametrize("name, extra", [("Containerfile", "daemon"), ("vllm-with-pled.Containerfile", "client")])
@@ -110,7 +112,7 @@ def test_the_images_install_the_wheel_file_with_its_extra(name, extra, tmp_path)
     containerfile = DEPLOY / name
     wheel = build_wheel_as_the_recipe_does(containerfile, tmp_path)
     final = containerfile.read_text().split(" AS wheel\n", 1)[1].split("\nFROM ", 1)[1]
-    (install,) = [l for l in final.splitlines() if l.startswith("RUN ") and "pip install" in l]
+    (install,) = [line for line in final.splitlines() if line.startswith("RUN ") and "pip install" in line]
     script = ('pip() { "$PY" -m pip "$@"; }; python3() { "$PY" "$@"; }; pled() { :; }\n'
               + install[len("RUN "):].replace("/wheels", str(wheel.parent)))
     report = tmp_path / "report.json"
@@ -121,8 +123,8 @@ def test_the_images_install_the_wheel_file_with_its_extra(name, extra, tmp_path)
     (item,) = json.loads(report.read_text())["install"]
     assert item["metadata"]["name"] == "pled" and item["requested_extras"] == [extra], item
     assert item["download_info"]["url"] == wheel.as_uri(), item
-    assert all(l.split()[1].startswith("docker.io/") for l in containerfile.read_text().splitlines()
-               if l.startswith("FROM "))
+    assert all(line.split()[1].startswith("docker.io/") for line in containerfile.read_text().splitlines()
+               if line.startswith("FROM "))
 
 
 def test_the_pled_image_runs_pled_serve_as_pid_1():
@@ -201,7 +203,8 @@ def test_pled_serve_as_pid_1_stops_cleanly_on_sigterm(sidecar, tmp_path):
     try:
         outer.wait_ready()
         (init,) = Path(f"/proc/{outer.pid}/task/{outer.pid}/children").read_text().split()
-        nspid = next(l for l in Path(f"/proc/{init}/status").read_text().splitlines() if l.startswith("NSpid:"))
+        nspid = next(line for line in Path(f"/proc/{init}/status").read_text().splitlines()
+                     if line.startswith("NSpid:"))
         assert nspid.split()[-1] == "1"  # pled is PID 1 there
         os.kill(int(init), signal.SIGTERM)
         assert outer.wait(timeout=30) == 0, outer.log()

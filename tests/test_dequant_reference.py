@@ -1,13 +1,13 @@
 """The meaning of the bytes, from hand-written values: dequant.py (numpy) and gather.py (torch) must both give
 them. Neither is checked against the other or against itself."""
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
 
-from types import SimpleNamespace
-
-from pled.shared import dequant
 from pled.client.gather import Gatherer
+from pled.shared import dequant
 from pled.shared.layouts import LAYOUTS
 
 # One row of 32 columns (two blocks of 16), packed two codes per byte, LOW nibble first (layouts.py).
@@ -60,5 +60,6 @@ def test_fp8_e4m3_codes(code, value):
 
 def test_fp8_rows_times_their_scale():
     w = np.array([[0x38, 0xC0]], np.uint8)
-    got = dequant.dequant_rows("ples_fp8", {"weight_fp8": w, "weight_scale": np.array([3.0], np.float32)}, np.array([0]))
+    got = dequant.dequant_rows("ples_fp8", {"weight_fp8": w, "weight_scale": np.array([3.0], np.float32)},
+                               np.array([0]))
     assert got.tolist() == [[3.0, -6.0]]

@@ -10,9 +10,9 @@ import pytest
 from forked import as_user
 from pled import client
 from pled.client import mapped_table
-from pled.shared import region
 from pled.daemon import staging
 from pled.daemon.sidecar import open_table
+from pled.shared import region
 
 
 @pytest.mark.root

@@ -49,7 +49,8 @@ def test_kill_9_at_random_points_of_staging_leaves_nothing_behind(tmp_path):
         time.sleep(rng.uniform(0.05, 1.1))  # a random moment: before, during or after staging
         victim.stop(signal.SIGKILL)
         now = settle_shmem(baseline, tolerance)
-        assert abs(now - baseline) <= tolerance, f"round {round_}: Shmem {now / MiB:.1f} MiB, was {baseline / MiB:.1f} MiB"
+        assert abs(now - baseline) <= tolerance, \
+            f"round {round_}: Shmem {now / MiB:.1f} MiB, was {baseline / MiB:.1f} MiB"
         # The next start stages cleanly: the dead daemon's socket file does not block it.
         nxt = Daemon(cfg)
         nxt.wait_ready()
@@ -81,13 +82,14 @@ def faultfs(tmp_path):
     def mount(source: Path, name: str, offset: int) -> Path:
         point = tmp_path / f"fuse{len(mounts)}"
         point.mkdir()
-        proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "faultfs.py"), str(source), str(point), name, str(offset)],
-                                stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "faultfs.py"), str(source), str(point),
+                                 name, str(offset)], stderr=subprocess.PIPE, text=True)
         mounts.append((point, proc))
         deadline = time.monotonic() + 20
         while not os.path.ismount(point):
             if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.skip(f"could not mount FUSE here: {proc.stderr.read() if proc.poll() is not None else 'timeout'}")
+                pytest.skip("could not mount FUSE here: "
+                            + (proc.stderr.read() if proc.poll() is not None else "timeout"))
             time.sleep(0.05)
         return point
 

@@ -245,7 +245,7 @@ def test_a_member_of_pleds_group_gets_no_writable_fd_by_any_sequence(tmp_path, s
         for _ in range(4):
             victim = stuck_call(sock_path, ATTACH, capacity)
             now = generation()
-            wait_until(lambda: generation() > now, 30, message="no reload restaged the table")
+            wait_until(lambda now=now: generation() > now, 30, message="no reload restaged the table")
             others = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(16)]
             for s in others:
                 s.connect(sock_path)
@@ -261,7 +261,8 @@ def test_a_member_of_pleds_group_gets_no_writable_fd_by_any_sequence(tmp_path, s
                 procfs.append(os.open(f"/proc/{pled.pid}/fd/{name}", os.O_RDONLY))
             except OSError:
                 pass
-        problems = [f"fd {i}: {', '.join(ways)}" for i, fd in enumerate(received + procfs) if (ways := writable_ways(fd))]
+        problems = [f"fd {i}: {', '.join(ways)}" for i, fd in enumerate(received + procfs)
+                    if (ways := writable_ways(fd))]
         return f"{len(received)} fds received, {len(procfs)} opened from pled's /proc; writable: {problems}"
 
     worker = threading.Thread(target=reloads)

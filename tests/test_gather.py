@@ -22,7 +22,8 @@ def test_gather_matches_the_reference(sidecar, daemon, layout):
         assert result is out and out.data_ptr() == ptr  # filled in place
         for i, row in enumerate(ids.tolist()):
             shard, local = divmod(row, 300)
-            want = torch.tensor(reference_row(str(d / f"shard_{shard}.safetensors"), layout, local), dtype=torch.float32)
+            want = torch.tensor(reference_row(str(d / f"shard_{shard}.safetensors"), layout, local),
+                                dtype=torch.float32)
             assert torch.allclose(out[i], want, rtol=1e-6, atol=0), (layout, row)
         bf16 = t.gather(ids)  # default output: bfloat16
         assert bf16.dtype == torch.bfloat16 and torch.allclose(bf16.float(), out, rtol=1e-2, atol=1e-6)
@@ -48,7 +49,8 @@ def test_gather_on_a_generic_table_is_refused(tmp_path, daemon):
 
     from pled.daemon.safetensors_file import write
 
-    write(str(tmp_path / "model-00001-of-00001.safetensors"), [("w", "F32", (2, 2), np.ones((2, 2), np.float32).tobytes())])
+    write(str(tmp_path / "model-00001-of-00001.safetensors"),
+          [("w", "F32", (2, 2), np.ones((2, 2), np.float32).tobytes())])
     pled = daemon({"ckpt": tmp_path / "model-*.safetensors"})
     with client.attach("ckpt", socket=pled.socket) as t:
         assert torch.equal(t.tensors["w"], torch.ones(2, 2))

@@ -49,7 +49,8 @@ def test_gather_equals_the_references_bit_for_bit(sidecar, daemon, layout):
             assert torch.equal(t.gather(ids, dtype=dtype).view(torch.int16), chain(t, ids, dtype).view(torch.int16))
         for i in range(0, 3000, 97):
             shard, local = divmod(int(ids[i]), ROWS)
-            want = torch.tensor(reference_row(str(d / f"shard_{shard}.safetensors"), layout, local), dtype=torch.float32)
+            want = torch.tensor(reference_row(str(d / f"shard_{shard}.safetensors"), layout, local),
+                                dtype=torch.float32)
             assert torch.equal(got[i], want), (layout, int(ids[i]))
         # ids as int32, as a list, in a strided tensor: the same rows
         assert torch.equal(t.gather(ids.to(torch.int32), dtype=torch.float32), got)

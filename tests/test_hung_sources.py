@@ -36,7 +36,8 @@ def blockfs(tmp_path):
         deadline = time.monotonic() + 20
         while not os.path.ismount(point):
             if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.skip(f"could not mount FUSE here: {proc.stderr.read() if proc.poll() is not None else 'timeout'}")
+                pytest.skip("could not mount FUSE here: "
+                            + (proc.stderr.read() if proc.poll() is not None else "timeout"))
             time.sleep(0.05)
         return point, flag
 

@@ -22,11 +22,11 @@ import numpy as np
 import pytest
 
 from harness import LAYOUTS, run_pled
+from pled.daemon.safetensors_file import read_header
 from pled.generator import make_sidecar
 from pled.shared import dequant
 from pled.shared.layouts import PUBLISHED_ROWS_PER_SHARD, PUBLISHED_WIDTH
 from pled.shared.pagecache import cached_bytes
-from pled.daemon.safetensors_file import read_header
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -163,7 +163,8 @@ def test_spawned_offload_workers_read_the_table_from_pled(hook_python, published
         # Every tensor the worker kept is a view of pled's sealed memfd; no shard file is mapped.
         assert r["tensors_backed_by"] == [f"/memfd:pled:{layout} (deleted)"], r["tensors_backed_by"]
         assert r["shard_files_mapped"] == []
-        np.testing.assert_allclose(np.array(r["rows"], dtype=np.float32), expected_rows(d, layout, check), rtol=1e-6, atol=0)
+        np.testing.assert_allclose(np.array(r["rows"], dtype=np.float32), expected_rows(d, layout, check), rtol=1e-6,
+                                   atol=0)
         assert f"pled: pid {r['pid']} mapped table {layout} (generation 1): {shards} of {shards} files" in stderr
         assert str(r["pid"]) in status  # pled status lists both workers as clients
     assert "through safe_open" in stderr
@@ -229,7 +230,8 @@ def test_the_hook_is_inert_without_pled_socket_and_off_with_autoload_0(hook_pyth
     assert runs["off"].stdout.strip() == "[] False"
     on = runs["on"].stdout.strip()
     assert on.endswith("True") and "'pled.autoload'" in on
-    assert "'pled.client.held_files'" not in on  # what serves files is imported when a file is asked for, not at start-up
+    # what serves files is imported when a file is asked for, not at start-up
+    assert "'pled.client.held_files'" not in on
 
 
 def test_a_broken_hook_is_one_line_and_the_interpreter_starts(hook_python, tmp_path):
@@ -249,13 +251,15 @@ def test_a_broken_hook_is_one_line_and_the_interpreter_starts(hook_python, tmp_p
     r = subprocess.run([str(hook_python), "-c", "print('started')"], capture_output=True, text=True, cwd="/",
                        env=clean_env(PLED_SOCKET="/x", PYTHONPATH=str(broken.parent)))
     assert r.returncode == 0 and r.stdout == "started\n"
-    assert len(r.stderr.splitlines()) == 1 and r.stderr.startswith("pled: start-up hook failed (ImportError: no plugin here)")
+    assert len(r.stderr.splitlines()) == 1
+    assert r.stderr.startswith("pled: start-up hook failed (ImportError: no plugin here)")
 
 
 def test_an_editable_install_carries_the_hook_too(tmp_path):
     """The shared development environments install pled with `pip install -e`: the hook is written there too."""
     python = scratch_venv(tmp_path / "v", "-e", str(ROOT))
-    r = subprocess.run([str(python), "-c", "import sys, pled, safetensors; print(pled.__file__, safetensors.safe_open.__pled__)"],
+    r = subprocess.run([str(python), "-c",
+                        "import sys, pled, safetensors; print(pled.__file__, safetensors.safe_open.__pled__)"],
                        capture_output=True, text=True, cwd="/", env=clean_env(PLED_SOCKET="/nonexistent"))
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == [str(ROOT / "pled" / "__init__.py"), "True"]

@@ -114,7 +114,7 @@ def _recipe(name: str, dest: Path, python_base: str, vllm_base: str = "") -> Pat
     text = (DEPLOY / name).read_text()
     text = re.sub(r"^FROM (docker\.io/library/)?python:\S+", f"FROM {python_base}", text, flags=re.M)
     text = re.sub(r"^FROM (docker\.io/)?vllm/vllm-openai:\S+", f"FROM {vllm_base}", text, flags=re.M)
-    assert all(l.split()[1].startswith("localhost/") for l in text.splitlines() if l.startswith("FROM ")), text
+    assert all(line.split()[1].startswith("localhost/") for line in text.splitlines() if line.startswith("FROM ")), text
     (dest / name).write_text(text)
     return dest / name
 
@@ -313,8 +313,8 @@ def test_pled_on_the_host_serves_a_client_in_the_vllm_image(podman, daemon, shar
         st = run_pled("status", "--json", "--socket", pled.socket)
         assert st.returncode == 0, st.stdout + st.stderr
         (listed,) = [c for c in json.loads(st.stdout)["clients"] if c["uid"] == 4321]
-        nspid = next(l for l in Path(f"/proc/{listed['pid']}/status").read_text().splitlines()
-                     if l.startswith("NSpid:"))
+        nspid = next(line for line in Path(f"/proc/{listed['pid']}/status").read_text().splitlines()
+                     if line.startswith("NSpid:"))
         assert nspid.split()[-1] == str(got["pid"]) and listed["pid"] != got["pid"], (nspid, got)
         proc.stdin.write("done\n")
         proc.stdin.close()

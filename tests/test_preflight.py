@@ -94,7 +94,8 @@ def test_no_cgroup_uses_meminfo(host):
     assert v.ok and v.cgroup is None and v.available == 40 * GiB
     v = host.check({"ples_fp8": int(48.9 * GiB)})
     assert not v.ok
-    assert "pled needs 48.9 GiB for table ples_fp8 but only 40.0 GiB is available to this service (MemAvailable 40.0 GiB)" in v.message
+    assert ("pled needs 48.9 GiB for table ples_fp8 but only 40.0 GiB is available to this service "
+            "(MemAvailable 40.0 GiB)") in v.message
 
 
 def test_margin_counts(host):
@@ -153,8 +154,8 @@ def test_zfs_arc_above_its_minimum_counts_as_available(host):
     host.zfs_arc(size=24 * GiB, c_min=4 * GiB)
     v = host.check()
     assert v.ok and v.available == (20 + 24 - 4 - 1) * GiB, v.message
-    assert "MemAvailable 20.0 GiB + ZFS ARC 19.0 GiB: its size 24.0 GiB less its minimum 4.0 GiB and SReclaimable 1.0 GiB" \
-        in v.message
+    assert ("MemAvailable 20.0 GiB + ZFS ARC 19.0 GiB: its size 24.0 GiB less its minimum 4.0 GiB "
+            "and SReclaimable 1.0 GiB") in v.message
     assert v.as_dict()["zfs_arc"] == {"size_bytes": 24 * GiB, "c_min_bytes": 4 * GiB, "counted_bytes": 19 * GiB}
 
 
@@ -163,7 +164,8 @@ def test_zfs_arc_at_its_minimum_gives_nothing_and_the_refusal_names_it(host):
     host.zfs_arc(size=4 * GiB, c_min=4 * GiB)
     v = host.check()
     assert not v.ok and v.available == 20 * GiB
-    assert "only 20.0 GiB is available" in v.message and "ZFS ARC 0.0 KiB: its size 4.0 GiB less its minimum 4.0 GiB" in v.message
+    assert "only 20.0 GiB is available" in v.message
+    assert "ZFS ARC 0.0 KiB: its size 4.0 GiB less its minimum 4.0 GiB" in v.message
     with pytest.raises(PreflightRefused):
         v.raise_if_refused()
 

@@ -7,13 +7,13 @@ import pytest
 
 from harness import LAYOUTS, run_pled, write_config
 from pled.daemon.sidecar import open_table
-from pled.shared.errors import SidecarError
 from pled.daemon.sidecar_meta import META_LAYOUT, PUBLISHED_LAYOUT, layout_family
+from pled.shared.errors import SidecarError
 
 # The published strings. fp8's exact string is unknown (any with e4m3 and without e2m1 is fp8): its entry here is a
 # stand-in of the published style, not the published string.
-PUBLISHED = {"ples_int4": "group16_int4_fp16scale_lownibblefirst", "ples_nvfp4": "group16_e2m1_e4m3scale_lownibblefirst",
-             "ples_fp8": "rowwise_e4m3_fp32scale"}
+PUBLISHED = {"ples_int4": "group16_int4_fp16scale_lownibblefirst",
+             "ples_nvfp4": "group16_e2m1_e4m3scale_lownibblefirst", "ples_fp8": "rowwise_e4m3_fp32scale"}
 
 
 def edit_meta(d, **changes):
@@ -111,7 +111,8 @@ def test_layout_words_that_contradict_the_tensors_are_refused(sidecar, tmp_path,
     edit_meta(d, layout=says)
     r = run_pled("inspect", d)
     assert r.returncode == 78
-    assert f"META.json: says layout = '{says}', which is {layout_family(says)}, but the shards hold {layout}" in r.stderr
+    assert (f"META.json: says layout = '{says}', which is {layout_family(says)}, "
+            f"but the shards hold {layout}") in r.stderr
     r = run_pled("serve", "-c", write_config(tmp_path / "p.toml", {"t": d}, headroom_margin=0))
     assert r.returncode == 78 and "but the shards hold" in r.stderr
 
@@ -130,10 +131,12 @@ def test_pleds_earlier_keys_are_still_accepted_and_checked(sidecar):
     edit_meta(d, layout="ples_fp8", num_shards=2, total_rows=64, row_width=160, shards=None, rows=None, width=None)
     r = run_pled("inspect", d)
     assert r.returncode == 0, r.stderr
-    assert 'layout = "ples_fp8", num_shards = 2, total_rows = 64, row_width = 160 (checked against the shards)' in r.stdout
+    assert ('layout = "ples_fp8", num_shards = 2, total_rows = 64, row_width = 160 '
+            '(checked against the shards)') in r.stdout
     edit_meta(d, total_rows=65)
     r = run_pled("inspect", d)
     assert r.returncode == 78 and "says total_rows = 65 but the shards give 64" in r.stderr
     edit_meta(d, total_rows=64, layout="ples_int4")
     r = run_pled("inspect", d)
-    assert r.returncode == 78 and "says layout = 'ples_int4', which is ples_int4, but the shards hold ples_fp8" in r.stderr
+    assert r.returncode == 78
+    assert "says layout = 'ples_int4', which is ples_int4, but the shards hold ples_fp8" in r.stderr

@@ -10,8 +10,8 @@ import pytest
 
 from harness import Daemon, run_pled, write_config
 from pled import client
-from pled.shared import protocol
 from pled.generator import make_sidecar
+from pled.shared import protocol
 
 HOLDER = textwrap.dedent("""
     import hashlib, json, sys
@@ -25,7 +25,8 @@ HOLDER = textwrap.dedent("""
 
 
 def file_digests(d) -> list[str]:
-    return [hashlib.sha256((d / f"shard_{i}.safetensors").read_bytes()).hexdigest() for i in range(len(list(d.glob("*.safetensors"))))]
+    return [hashlib.sha256((d / f"shard_{i}.safetensors").read_bytes()).hexdigest()
+            for i in range(len(list(d.glob("*.safetensors"))))]
 
 
 @pytest.mark.daemon
@@ -39,7 +40,8 @@ def test_reload_switches_generations_while_a_client_reads_the_old_one(tmp_path, 
     pled = Daemon(cfg, env={"NOTIFY_SOCKET": notify_socket.path}, log=log)
     try:
         notify_socket.wait_for("READY=1")
-        holder = subprocess.Popen([sys.executable, "-c", HOLDER, "t", sock], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        holder = subprocess.Popen([sys.executable, "-c", HOLDER, "t", sock], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
         assert json.loads(holder.stdout.readline())["generation"] == 1
         make_sidecar(str(d), "ples_int4", shards=3, rows=30_000, seed=42)  # re-quantized in place
         new = file_digests(d)
@@ -106,7 +108,8 @@ def test_a_removed_table_stops_being_offered_and_sighup_reloads(tmp_path, daemon
     assert pled.reload() == "reload done"
     with pytest.raises(client.NoSuchTable):
         client.attach("b", socket=pled.socket)
-    assert "table b generation 1 released (removed from the config: no longer offered); 1 connected client(s) attached to it" in pled.log()
+    assert ("table b generation 1 released (removed from the config: no longer offered); "
+            "1 connected client(s) attached to it") in pled.log()
     with open(b / "shard_0.safetensors", "rb") as f:  # the holder's mapping is intact
         assert held.buffer[held.shards[0].offset : held.shards[0].offset + held.shards[0].size] == f.read()
     held.close()

@@ -232,7 +232,7 @@ def test_pled_safe_open_matches_safetensors_call_for_call(pled_files, wrapped, c
     if use_with:
         assert theirs.__enter__() is theirs and mine.__enter__() is mine
     for call in calls:
-        a, b = outcome(lambda: run(mine, call)), outcome(lambda: run(theirs, call, theirs))
+        a, b = outcome(lambda call=call: run(mine, call)), outcome(lambda call=call: run(theirs, call, theirs))
         if compare(a, b, call, framework, opening.get("backend", "mmap")) and call[0] in ("get_tensor", "get_tensors"):
             values = a[1].values() if isinstance(a[1], dict) else [a[1]]
             for v in values:  # zero copy: pled's tensors and arrays are the region's bytes
@@ -314,7 +314,7 @@ def test_an_attribute_pled_does_not_define_comes_from_a_real_safe_open(pled_file
     path = pled_files.files["torch"]
     f = wrapped(path, "pt")
     with pytest.raises(AttributeError) as err:
-        f.some_future_method
+        _ = f.some_future_method
     assert type(err.value.obj) is REAL and "'builtins.safe_open' object has no attribute" in str(err.value)
 
     # safetensors' class as a later release might have it: one method more

@@ -16,8 +16,8 @@ import torch
 
 from harness import run_pled
 from pled import client
-from pled.shared import protocol
 from pled.daemon import server
+from pled.shared import protocol
 
 MiB = 1024**2
 
@@ -65,7 +65,8 @@ CLIENT = textwrap.dedent("""
     from pled.client import attach
     t = attach(sys.argv[1], socket=sys.argv[2])
     st = os.fstat(t.fd)
-    print(json.dumps({"ino": st.st_ino, "dev": st.st_dev, "resident": t.residency(), "populate_s": t.populate_seconds}), flush=True)
+    print(json.dumps({"ino": st.st_ino, "dev": st.st_dev, "resident": t.residency(),
+                      "populate_s": t.populate_seconds}), flush=True)
     sys.stdin.readline()  # hold the table until told to go
 """)
 
@@ -131,7 +132,8 @@ def test_writes_through_a_client_mapping_fail(sidecar, daemon):
             with pytest.raises(PermissionError):
                 os.pwrite(writable, b"X", 0)
             with pytest.raises(PermissionError):
-                mmap.mmap(writable, t.manifest.region_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                mmap.mmap(writable, t.manifest.region_bytes, flags=mmap.MAP_SHARED,
+                          prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(writable)
     # A write through a torch view faults the writer, and only the writer.
@@ -231,10 +233,11 @@ def test_fuzzed_messages_never_hurt_the_daemon(sidecar, daemon):
     client.call(protocol.PING, socket=pled.socket)
     before = settled_fds(pled)
     json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=20),
-                               lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+                               lambda inner: (st.lists(inner, max_size=4)
+                                              | st.dictionaries(st.text(max_size=10), inner, max_size=4)),
                                max_leaves=10)
-    calls = st.fixed_dictionaries({"method": st.sampled_from([protocol.ATTACH, protocol.STATUS, protocol.PING, "x"]) | st.text(max_size=30),
-                                   "parameters": json_values})
+    methods = st.sampled_from([protocol.ATTACH, protocol.STATUS, protocol.PING, "x"]) | st.text(max_size=30)
+    calls = st.fixed_dictionaries({"method": methods, "parameters": json_values})
 
     @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
     @given(st.one_of(st.binary(max_size=300).map(lambda b: b + b"\0"),

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from harness import LAYOUTS
-from pled.shared import region
 from pled.daemon import safetensors_file
-from pled.shared.errors import EX_CONFIG, SidecarError
 from pled.daemon.sidecar import open_table
+from pled.shared import region
+from pled.shared.errors import EX_CONFIG, SidecarError
 
 MiB2 = 2 * 1024 * 1024
 

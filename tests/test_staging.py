@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from harness import LAYOUTS
-from pled.shared import dequant, hugepages, region
 from pled.daemon import staging
+from pled.daemon.sidecar import open_table
+from pled.shared import dequant, hugepages, region
 from pled.shared.errors import RegionError, StagingError
 from pled.shared.pagecache import PAGE, cached_bytes
-from pled.daemon.sidecar import open_table
 
 
 def stage(d, **kw):
@@ -47,7 +47,8 @@ def test_rows_dequantize_the_same_from_region_and_file(sidecar, layout):
         m = region.map_readonly(r.fd)
         rows = np.array([0, 17, 499])
         for s in r.manifest.shards:
-            from_region = {t.name: dequant.view(m, t.offset, t.dtype, t.shape) for t in r.manifest.tensors if t.shard == s.index}
+            from_region = {t.name: dequant.view(m, t.offset, t.dtype, t.shape)
+                           for t in r.manifest.tensors if t.shard == s.index}
             data = open(s.path, "rb").read()
             from_file = {t.name: dequant.view(data, t.offset - s.offset, t.dtype, t.shape)
                          for t in r.manifest.tensors if t.shard == s.index}
@@ -228,6 +229,6 @@ def test_a_shard_swapped_for_a_fifo_or_device_after_validation_is_refused_unopen
         os.mkfifo(shard)
     else:
         os.symlink("/dev/null", shard)
-    with pytest.raises(StagingError, match=r"cannot stage .*shard_1\.safetensors: is a (FIFO|character device), not a regular "
-                                           r"file; nothing of it is served"):
+    with pytest.raises(StagingError, match=r"cannot stage .*shard_1\.safetensors: is a (FIFO|character device), "
+                                           r"not a regular file; nothing of it is served"):
         staging.stage("t", s)

@@ -7,12 +7,12 @@ import os
 import pytest
 
 from pled import client
-from pled.shared import region
 from pled.daemon import staging
+from pled.daemon.sidecar import open_table
+from pled.shared import region
 from pled.shared.errors import SidecarError
 from pled.shared.hugepages import PMD_SIZE
 from pled.shared.pagecache import PAGE, cached_bytes_fd, mapping_address
-from pled.daemon.sidecar import open_table
 
 MiB = 1024**2
 
@@ -65,7 +65,8 @@ def test_each_chunk_leaves_the_page_cache_as_soon_as_it_is_copied(sidecar):
 
     def probe():
         done = len(behind) * chunk  # the n-th question comes before the n-th chunk
-        behind.append(cached_below(path, min(done, os.path.getsize(path)) - PMD_SIZE))  # a huge folio at the edge may stay
+        # a huge folio at the edge may stay
+        behind.append(cached_below(path, min(done, os.path.getsize(path)) - PMD_SIZE))
         return False
 
     with staging.stage("t", open_table(str(d)), should_stop=probe, chunk=chunk) as r:
@@ -99,7 +100,8 @@ def test_a_shard_that_does_not_match_its_shipped_digest_is_refused_at_once(sidec
     data[-1] ^= 0x40  # the last byte of the data; the header is untouched, so the file still validates
     path.write_bytes(data)
     s = open_table(str(d))
-    with pytest.raises(SidecarError, match=r"shard_1.safetensors: content xxh3_128:.* does not match .* in .*META.json"):
+    with pytest.raises(SidecarError,
+                       match=r"shard_1.safetensors: content xxh3_128:.* does not match .* in .*META.json"):
         staging.stage("t", s)
 
 

@@ -88,9 +88,11 @@ def holds_the_daemon(name: str, tree: ast.Module) -> list[str]:
             found.append(f"{node.lineno}: stores a daemon")
         if isinstance(node, ast.ClassDef) and node.name == "Daemon":
             for call in ast.walk(node):
-                builtin = isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and hasattr(builtins, call.func.id)
+                builtin = (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
+                           and hasattr(builtins, call.func.id))
                 if isinstance(call, ast.Call) and not builtin and any(
-                        isinstance(a, ast.Name) and a.id == "self" for a in call.args + [k.value for k in call.keywords]):
+                        isinstance(a, ast.Name) and a.id == "self"
+                        for a in call.args + [k.value for k in call.keywords]):
                     found.append(f"{call.lineno}: the Daemon hands itself to {ast.unparse(call.func)}")
     return found
 

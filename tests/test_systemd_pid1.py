@@ -51,10 +51,10 @@ WATCHED = [
     "/proc/sys/kernel/hostname", "/proc/sys/kernel/domainname", "/proc/sys/kernel/pid_max",
     "/proc/sys/kernel/core_pattern", "/proc/sys/kernel/sysrq", "/proc/sys/kernel/printk", "/proc/sys/kernel/panic",
     "/proc/sys/kernel/ctrl-alt-del", "/proc/sys/fs/nr_open", "/proc/sys/fs/file-max",
-    "/proc/sys/fs/inotify/max_user_instances", "/proc/sys/fs/inotify/max_user_watches", "/proc/sys/fs/protected_regular",
-    "/proc/sys/fs/protected_symlinks", "/proc/sys/fs/suid_dumpable", "/proc/sys/vm/overcommit_memory",
-    "/proc/sys/vm/swappiness", "/proc/sys/vm/max_map_count", "/proc/sys/net/core/somaxconn",
-    "/proc/sys/net/ipv4/ip_forward", "/sys/kernel/mm/transparent_hugepage/enabled",
+    "/proc/sys/fs/inotify/max_user_instances", "/proc/sys/fs/inotify/max_user_watches",
+    "/proc/sys/fs/protected_regular", "/proc/sys/fs/protected_symlinks", "/proc/sys/fs/suid_dumpable",
+    "/proc/sys/vm/overcommit_memory", "/proc/sys/vm/swappiness", "/proc/sys/vm/max_map_count",
+    "/proc/sys/net/core/somaxconn", "/proc/sys/net/ipv4/ip_forward", "/sys/kernel/mm/transparent_hugepage/enabled",
     "/sys/kernel/mm/transparent_hugepage/shmem_enabled", "/etc/passwd", "/etc/group", "/etc/shadow", "/etc/gshadow",
 ]
 
@@ -128,10 +128,12 @@ def write_test_units(units: Path, testdir: str, private_users: bool = False) -> 
     text = text.replace("/opt/pled/bin/pled serve", f"{python} -m pled serve -c {testdir}/pled.toml")
     text = text.replace("/opt/pled/bin/pled reload", f"{python} -m pled reload -c {testdir}/pled.toml")
     # Never touch the host's sysfs from the test: the privileged line only records who it ran as.
-    text = re.sub(r"^ExecStartPre=-\+.*\n", "ExecStartPre=-+/bin/sh -c 'id -u > /run/pled-prestart-uid'\n", text, flags=re.M)
+    text = re.sub(r"^ExecStartPre=-\+.*\n", "ExecStartPre=-+/bin/sh -c 'id -u > /run/pled-prestart-uid'\n", text,
+                  flags=re.M)
     text = text.replace("[Unit]\n", "[Unit]\nDefaultDependencies=no\n", 1)
     text = text.replace("[Service]\n", f"[Service]\nStandardOutput=append:{testdir}/pled.log\n"
-                                       f"StandardError=append:{testdir}/pled.log\nSlice=-.slice\n{run_from_checkout}", 1)
+                                       f"StandardError=append:{testdir}/pled.log\nSlice=-.slice\n"
+                                       f"{run_from_checkout}", 1)
     (units / "pled.service").write_text(text)
     (units / "vllm.service").write_text(
         "[Unit]\nDescription=stand-in vLLM\nDefaultDependencies=no\n"
@@ -139,7 +141,8 @@ def write_test_units(units: Path, testdir: str, private_users: bool = False) -> 
         f"StandardOutput=append:{testdir}/vllm.log\nStandardError=append:{testdir}/vllm.log\nSlice=-.slice\n")
     shutil.copytree(UNITS / "vllm.service.d", units / "vllm.service.d")  # the shipped drop-in, unchanged
     # Only vLLM is wanted: its drop-in must pull pled in.
-    (units / "pled-test.target").write_text("[Unit]\nDescription=pled test\nDefaultDependencies=no\nWants=vllm.service\n")
+    (units / "pled-test.target").write_text("[Unit]\nDescription=pled test\nDefaultDependencies=no\n"
+                                            "Wants=vllm.service\n")
     sysusers = units.parent / "sysusers"
     sysusers.mkdir()
     shutil.copy(UNITS / "pled.sysusers.conf", sysusers / "pled.conf")
@@ -234,7 +237,8 @@ class Pid1:
         raise AssertionError("systemd did not start in the namespace")
 
     def inside(self, *argv: str) -> str:
-        r = subprocess.run(["nsenter", "-t", str(self.pid), "-m", "-p", *argv], capture_output=True, text=True, timeout=60)
+        r = subprocess.run(["nsenter", "-t", str(self.pid), "-m", "-p", *argv], capture_output=True, text=True,
+                           timeout=60)
         return r.stdout
 
     def systemctl(self, *args: str) -> str:
@@ -244,7 +248,8 @@ class Pid1:
         out = self.systemctl("show", unit, *(f"--property={p}" for p in props))
         return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
 
-    def wait_active(self, since_pid: str | None = None, timeout: float = 90, unit: str = "pled.service") -> dict[str, str]:
+    def wait_active(self, since_pid: str | None = None, timeout: float = 90,
+                    unit: str = "pled.service") -> dict[str, str]:
         deadline = time.monotonic() + timeout
         state = {}
         while time.monotonic() < deadline:
@@ -283,7 +288,8 @@ def next_check(path: Path) -> str:
 
 
 def proc_status(pid1: Pid1, pid: str) -> dict[str, str]:
-    return dict((k, v.strip()) for k, _, v in (line.partition(":") for line in pid1.inside("cat", f"/proc/{pid}/status").splitlines()))
+    lines = pid1.inside("cat", f"/proc/{pid}/status").splitlines()
+    return dict((k, v.strip()) for k, _, v in (line.partition(":") for line in lines))
 
 
 def _remove_cgroups(root: Path) -> None:
@@ -298,7 +304,8 @@ class Fence:
     /tmp (a sentinel file) and settings (``snapshot``) are checked unchanged."""
 
     def __init__(self, tmp_path: Path, name: str):
-        if os.geteuid() != 0 or not Path(SYSTEMD).exists() or not shutil.which("unshare") or not shutil.which("nsenter"):
+        if (os.geteuid() != 0 or not Path(SYSTEMD).exists() or not shutil.which("unshare")
+                or not shutil.which("nsenter")):
             pytest.skip("needs root, systemd, unshare and nsenter")
         if not (CGROUP_V1 / "cgroup.procs").exists():
             pytest.skip("this recipe needs the cgroup v1 name=systemd hierarchy (a cgroup v2 host needs a delegated "
@@ -350,14 +357,16 @@ def test_pled_service_under_systemd_pid1(fence, private_users):
     assert first["NFileDescriptorStore"] == "1"
     # After=: vLLM started only once pled was ready (Type=notify).
     pled_ready = int(pid1.show("ActiveEnterTimestampMonotonic")["ActiveEnterTimestampMonotonic"])
-    vllm_started = int(pid1.show("ExecMainStartTimestampMonotonic", unit="vllm.service")["ExecMainStartTimestampMonotonic"])
+    vllm_started = int(pid1.show("ExecMainStartTimestampMonotonic",
+                                 unit="vllm.service")["ExecMainStartTimestampMonotonic"])
     assert 0 < pled_ready <= vllm_started
     attached = wait_line(testdir / "vllm.log", "attached ")
     assert attached.split()[1] == "/run/pled/pled.sock"
     digest = attached.split()[2]
 
     # The sandbox is in force in the running process, and pled still serves.
-    ids = {f[0]: f[2] for f in (line.split(":") for line in pid1.inside("getent", "passwd", "pled", "vllm-test").splitlines())}
+    ids = {f[0]: f[2]
+           for f in (line.split(":") for line in pid1.inside("getent", "passwd", "pled", "vllm-test").splitlines())}
     status = proc_status(pid1, first["MainPID"])
     assert status["Uid"].split()[:2] == [ids["pled"]] * 2 and status["Umask"] == "0077"
     assert status["NoNewPrivs"] == "1" and status["Seccomp"] == "2" and int(status["CapBnd"], 16) == 0
@@ -381,7 +390,8 @@ def test_pled_service_under_systemd_pid1(fence, private_users):
     assert "(1 adopted, 0.0 KiB copied)" in log
     assert log.count("shard 4/4") == 1  # staged once, by the first start only
     # Wants=, not Requires=: vLLM was not restarted, and its mapping still reads the same bytes.
-    assert pid1.show("ActiveState", "MainPID", unit="vllm.service") == {"ActiveState": "active", "MainPID": vllm["MainPID"]}
+    assert pid1.show("ActiveState", "MainPID", unit="vllm.service") == {"ActiveState": "active",
+                                                                       "MainPID": vllm["MainPID"]}
     assert next_check(testdir / "vllm.log") == digest
 
     pid1.systemctl("reload", "pled.service")  # ExecReload=pled reload: nothing changed, nothing restaged
@@ -391,7 +401,8 @@ def test_pled_service_under_systemd_pid1(fence, private_users):
 
     pid1.systemctl("stop", "pled.service")
     assert pid1.show("ActiveState")["ActiveState"] == "inactive"
-    assert pid1.show("ActiveState", "MainPID", unit="vllm.service") == {"ActiveState": "active", "MainPID": vllm["MainPID"]}
+    assert pid1.show("ActiveState", "MainPID", unit="vllm.service") == {"ActiveState": "active",
+                                                                       "MainPID": vllm["MainPID"]}
     assert next_check(testdir / "vllm.log") == digest
 
 
@@ -431,5 +442,6 @@ def test_a_small_fd_store_under_systemd_pid1(fence):
     third = pid1.wait_active(since_pid=second["MainPID"])
     log = (testdir / "pled.log").read_text()
     assert "up to 1 table(s) (fdstore_max in the config" in log
-    assert re.search(r"2 table\(s\) but systemd's fd store holds 1 .*: (ples_int4|t2) will not be stored", log), log[-3000:]
+    assert re.search(r"2 table\(s\) but systemd's fd store holds 1 .*: (ples_int4|t2) will not be stored", log), \
+        log[-3000:]
     assert third["NFileDescriptorStore"] == "1"

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 from pled.client import vllm_plugin
-from pled.shared.pagecache import cached_bytes
 from pled.daemon.safetensors_file import write
+from pled.shared.pagecache import cached_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -38,9 +38,11 @@ def make_files(d: Path) -> list[Path]:
     rng = np.random.default_rng(7)
     paths = []
     for i in (1, 2, 3, 4, 5):
-        p = d / "model" / f"model-{i:05d}-of-00003.safetensors" if i < 4 else d / "other" / f"other-{i - 3:05d}-of-00002.safetensors"
+        p = (d / "model" / f"model-{i:05d}-of-00003.safetensors" if i < 4
+             else d / "other" / f"other-{i - 3:05d}-of-00002.safetensors")
         a, b = rng.standard_normal((64, 32)).astype(np.float32), rng.standard_normal(32).astype(np.float32)
-        write(str(p), [(f"layers.{i}.weight", "F32", (64, 32), a.tobytes()), (f"layers.{i}.bias", "F32", (32,), b.tobytes())],
+        write(str(p), [(f"layers.{i}.weight", "F32", (64, 32), a.tobytes()),
+                       (f"layers.{i}.bias", "F32", (32,), b.tobytes())],
               metadata={"format": "pt"})
         paths.append(p)
     return paths
@@ -100,7 +102,8 @@ def check_served(out: dict) -> None:
 @pytest.mark.timeout(1200)
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.skipif(not (VLLM_033 / ".ready").exists(), reason="no .cache/vllm-0.33.0: run `make test` (it installs it there)")
+@pytest.mark.skipif(not (VLLM_033 / ".ready").exists(),
+                    reason="no .cache/vllm-0.33.0: run `make test` (it installs it there)")
 def test_vllm_0_33_iterator_is_called_once_with_the_files_pled_does_not_hold(daemon, tmp_path):
     out = run_check(daemon, tmp_path, [VLLM_033, ROOT])
     assert out["version"] == "0.33.0" and out["weight_utils"].startswith(str(VLLM_033))
@@ -130,4 +133,5 @@ def test_a_function_that_does_not_fit_is_left_alone_with_the_reason():
     assert "its parameters are (files, tqdm, brand_new), not (hf_weights_files, use_tqdm_on_load, ...)" in \
         vllm_plugin._fits(module, renamed)
     assert vllm_plugin._fits(module, fits) is None
-    assert "has no should_skip_weight" in vllm_plugin._fits(types.SimpleNamespace(__name__="wu", _natural_sort_key=str), fits)
+    assert "has no should_skip_weight" in vllm_plugin._fits(types.SimpleNamespace(__name__="wu", _natural_sort_key=str),
+                                                            fits)

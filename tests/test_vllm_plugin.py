@@ -43,7 +43,8 @@ def vllm_tmpdir():
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("tiny-llama") / "model"
-    subprocess.run([str(VLLM_PYTHON), str(HERE / "make_model.py"), str(d)], check=True, capture_output=True, timeout=300)
+    subprocess.run([str(VLLM_PYTHON), str(HERE / "make_model.py"), str(d)], check=True, capture_output=True,
+                   timeout=300)
     assert len(list(d.glob("*.safetensors"))) >= 3, "the model should be in several files"
     return d
 
@@ -166,7 +167,8 @@ def test_vllm_plugins_leaving_pled_out_turns_pled_off(model, tmp_path, enabled_b
         r = generate(model, env=env, additional={"pled": {"socket": dead}})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert len(tokens(r.stdout)) == 2
-    said = [line for line in (r.stdout + r.stderr).splitlines() if "VLLM_PLUGINS='some_other_plugin' leaves pled out" in line]
+    said = [line for line in (r.stdout + r.stderr).splitlines()
+            if "VLLM_PLUGINS='some_other_plugin' leaves pled out" in line]
     pids = [line.split("(pid ")[1].split(")")[0] for line in said]
     assert pids and len(pids) == len(set(pids)), said  # once per process that loaded a table
     assert all((enabled_by if enabled_by == "PLED_SOCKET" else "--additional-config's pled socket") in line

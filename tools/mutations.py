@@ -3,6 +3,7 @@
     python tools/mutations.py            # every mutation (a few minutes)
     python tools/mutations.py -k groups  # those whose name contains "groups"
     python tools/mutations.py --list
+    python tools/mutations.py --check    # only that each mutation's text is still in its file (make lint)
 
 Each mutation replaces one exact piece of source text (found exactly once, or the script stops) and runs only the
 tests meant to catch it, with the worktree's pled first on the path. Before any mutation those tests run unbroken and
@@ -67,8 +68,9 @@ MUTATIONS = [
              "        return min(1.0, cached_bytes_fd(self._fd) / self.manifest.region_bytes)", "        return 1.0",
              ("tests/test_staging_contracts.py::test_a_client_table_partly_in_memory_says_so_and_populate_brings_it_in",)),
     Mutation("populate() doing nothing", "pled/client/mapped_table.py",
-             "        start = time.perf_counter()\n        try:\n            self._map.madvise(MADV_POPULATE_READ)",
-             "        return 0.0\n        start = time.perf_counter()\n        try:\n            self._map.madvise(MADV_POPULATE_READ)",
+             "        start = time.perf_counter()\n        try:\n            self.buffer.madvise(MADV_POPULATE_READ)",
+             "        return 0.0\n"
+             "        start = time.perf_counter()\n        try:\n            self.buffer.madvise(MADV_POPULATE_READ)",
              ("tests/test_staging_contracts.py::test_a_client_table_partly_in_memory_says_so_and_populate_brings_it_in",)),
     Mutation("MADV_POPULATE_READ failures of any kind swallowed", "pled/client/mapped_table.py",
              "            if err.errno != errno.EINVAL:", "            if False:",
@@ -89,16 +91,19 @@ MUTATIONS = [
              "        while conn.inbox and not conn.out and self._live(conn):\n",
              ("tests/test_reply_order.py",)),
     Mutation("the daemon imports torch", "pled/daemon/staging.py",
-             "from pled.shared import hugepages, region\n", "from pled.shared import hugepages, region\nimport torch  # noqa\n",
+             "from pled.shared import hugepages, region\n",
+             "from pled.shared import hugepages, region\nimport torch  # noqa\n",
              ("tests/test_layering.py",)),
     Mutation("a client imports daemon code", "pled/client/library.py",
-             "from pled.shared import protocol, region\n", "from pled.shared import protocol, region\nfrom pled.daemon import config  # noqa\n",
+             "from pled.shared import protocol, region\n",
+             "from pled.shared import protocol, region\nfrom pled.daemon import config  # noqa\n",
              ("tests/test_layering.py",)),
     Mutation("warm-up stops after one gather", "pled/client/gather.py",
              "        while len(times) < max_gathers and not settled(times):\n", "        while not times:\n",
              ("tests/test_gather_scratch.py::test_warm_stops_where_the_gathers_settle",)),
     Mutation("warm-up goes on after its gathers have settled", "pled/client/gather.py",
-             "        while len(times) < max_gathers and not settled(times):\n", "        while len(times) < max_gathers:\n",
+             "        while len(times) < max_gathers and not settled(times):\n",
+             "        while len(times) < max_gathers:\n",
              ("tests/test_gather_scratch.py::test_warm_stops_where_the_gathers_settle",)),
     Mutation("an attach recorded when its reply is queued, not once the kernel took the fd", "pled/daemon/session.py",
              "        return cls(data, fds, reply.on_sent)\n",
@@ -159,6 +164,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-k", default="", help="only mutations whose name contains this")
     p.add_argument("--list", action="store_true")
+    p.add_argument("--check", action="store_true", help="only check that each mutation's text occurs once in its file")
     p.add_argument("--timeout", type=float, default=600, help="seconds for one pytest run")
     a = p.parse_args()
     chosen = [m for m in MUTATIONS if a.k.lower() in m.name.lower()]
@@ -166,11 +172,15 @@ def main() -> int:
         for m in chosen:
             print(f"{m.name}: {m.path} -> {' '.join(m.tests)}")
         return 0
-    for m in chosen:
-        count = (ROOT / m.path).read_text().count(m.old)
+    stale = [(m, (ROOT / m.path).read_text().count(m.old)) for m in chosen]
+    for m, count in stale:
         if count != 1:
             print(f"cannot apply '{m.name}': its text occurs {count} times in {m.path}; update tools/mutations.py")
-            return 2
+    if any(count != 1 for _, count in stale):
+        return 2
+    if a.check:
+        print(f"{len(chosen)} mutations: each text occurs once in its file")
+        return 0
     tests = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
     rc, seconds, out = pytest(tests, a.timeout)
     if rc != 0:

@@ -65,7 +65,7 @@ class Connection:
     ``timeout`` bounds a whole call, every send and receive of it together, however the reply trickles in; the
     first call's time runs from the connect, so that attach() and call() end within ``timeout`` of their start."""
 
-    _sock = None
+    _sock: socket_mod.socket | None = None
 
     def __init__(self, path: str | None = None, timeout: float = 10.0) -> None:
         self.path = socket_path(path)
@@ -81,8 +81,9 @@ class Connection:
                                     f"`systemctl start pled`, or {_HINT}") from err
         except PermissionError as err:
             sock.close()
-            raise PermissionDenied(f"cannot connect to {self.path}: the socket's permissions refuse uid {os.geteuid()}; "
-                                   f"run as a member of the socket's group, or ask the operator") from err
+            raise PermissionDenied(f"cannot connect to {self.path}: the socket's permissions refuse uid "
+                                   f"{os.geteuid()}; run as a member of the socket's group, "
+                                   "or ask the operator") from err
         except OSError as err:
             sock.close()
             raise DaemonUnavailable(f"cannot connect to pled at {self.path}: {err}; {_HINT}") from err
@@ -96,11 +97,14 @@ class Connection:
         deadline, self._deadline = self._deadline, None
         if deadline is None:  # a later call on a connection held open: its own timeout from now
             deadline = time.monotonic() + self.timeout
+        sock = self._sock
+        if sock is None:
+            raise ClientError(f"the connection to pled at {self.path} is closed")
         try:
-            self._sock.settimeout(_left(deadline))
-            self._sock.sendall(protocol.call(method, **parameters))
-            raw, fds = self._receive(deadline)
-        except (TimeoutError, socket_mod.timeout) as err:
+            sock.settimeout(_left(deadline))
+            sock.sendall(protocol.call(method, **parameters))
+            raw, fds = self._receive(sock, deadline)
+        except TimeoutError as err:
             raise DaemonUnavailable(f"pled at {self.path} did not answer {method} within {self.timeout:g} s; "
                                     f"{_HINT}") from err
         except OSError as err:  # reset, broken pipe, or anything else the socket says
@@ -122,7 +126,7 @@ class Connection:
             raise _error(error, params, self.path)
         return params, fds
 
-    def _receive(self, deadline: float) -> tuple[bytes, list[int]]:
+    def _receive(self, sock: socket_mod.socket, deadline: float) -> tuple[bytes, list[int]]:
         fds: list[int] = []
         try:
             while True:
@@ -133,8 +137,8 @@ class Connection:
                     return raw, fds
                 if len(self._buf) > protocol.MAX_REPLY:
                     raise ProtocolError(f"reply from {self.path} exceeds {protocol.MAX_REPLY} bytes")
-                self._sock.settimeout(_left(deadline))  # each receive gets what is left of the call's time
-                data, new_fds, flags, _ = socket_mod.recv_fds(self._sock, 1 << 20, 4)
+                sock.settimeout(_left(deadline))  # each receive gets what is left of the call's time
+                data, new_fds, flags, _ = socket_mod.recv_fds(sock, 1 << 20, 4)
                 fds += new_fds
                 if flags & socket_mod.MSG_CTRUNC:  # the kernel dropped fds it could not deliver
                     raise ProtocolError(f"file descriptors from {self.path} were truncated (MSG_CTRUNC)")

@@ -101,10 +101,12 @@ class Gatherer:
         if manifest.layout not in LAYOUTS:
             raise ValueError(f"table {manifest.table} is a plain safetensors table; gather needs a PLE layout "
                              f"({', '.join(LAYOUTS)})")
-        self.table, self.layout, self.rows, self.width = manifest.table, manifest.layout, manifest.rows, manifest.row_width
+        self.table, self.layout = manifest.table, manifest.layout
+        self.rows, self.width = manifest.rows, manifest.row_width
         main, scale, *second = (spec.name for spec in LAYOUTS[self.layout].tensors)
         self._row_bytes = self.width if self.layout == "ples_fp8" else self.width // 2
-        self._scale_bytes = (1 if self.layout == "ples_fp8" else self.width // _BLOCK) * _SCALE_DTYPE[self.layout].itemsize
+        self._scale_bytes = ((1 if self.layout == "ples_fp8" else self.width // _BLOCK)
+                             * _SCALE_DTYPE[self.layout].itemsize)
         offsets = {(t.shard, t.name): t.offset for t in manifest.tensors}
         first, main_base, scale_base, scale2 = 0, [], [], []
         starts = []
@@ -156,7 +158,8 @@ class Gatherer:
         if out is None:
             out = torch.empty((n, self.width), dtype=dtype or torch.bfloat16)
         elif tuple(out.shape) != (n, self.width):
-            raise ValueError(f"out has shape {tuple(out.shape)}; {n} rows of table {self.table} need ({n}, {self.width})")
+            raise ValueError(f"out has shape {tuple(out.shape)}; "
+                             f"{n} rows of table {self.table} need ({n}, {self.width})")
         elif dtype is not None and out.dtype != dtype:
             raise ValueError(f"out is {out.dtype} but dtype={dtype} was asked for")
         if n == 0:

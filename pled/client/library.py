@@ -13,12 +13,25 @@ from __future__ import annotations
 
 import os
 
+from pled.client.connection import (
+    DEFAULT_SOCKET,
+    ENV_SOCKET,
+    BadRegion,
+    ClientError,
+    Connection,
+    DaemonUnavailable,
+    NoSuchTable,
+    NotReady,
+    PermissionDenied,
+    ProtocolError,
+    ReloadFailed,
+    call,
+    close_all,
+    socket_path,
+)
+from pled.client.mapped_table import Table, TensorViews
 from pled.shared import protocol, region
 from pled.shared.errors import RegionError
-from pled.client.connection import (DEFAULT_SOCKET, ENV_SOCKET, BadRegion, ClientError, Connection,
-    DaemonUnavailable, NoSuchTable, NotReady, PermissionDenied, ProtocolError, ReloadFailed, call, close_all,
-    socket_path)
-from pled.client.mapped_table import Table, TensorViews
 
 __all__ = ["attach", "call", "socket_path", "Table", "TensorViews", "Connection", "DEFAULT_SOCKET", "ENV_SOCKET",
            "ClientError", "DaemonUnavailable", "PermissionDenied", "NoSuchTable", "NotReady", "ReloadFailed",

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from pled.client.connection import BadRegion, ClientError
 from pled.shared import hugepages, region
 from pled.shared.errors import RegionError
-from pled.client.connection import BadRegion, ClientError
 
 if TYPE_CHECKING:
     import torch
@@ -50,11 +50,12 @@ class Table:
     attachment are closed. Whether the fd is sealed is ``attach()``'s check (tests map unsealed copies here)."""
 
     _fd = -1
-    _map = None
+    _map: mmap.mmap | None = None
     _attachment = None
-    _gatherer = None
-    _views = None
-    _unviewable = None  # shard index -> why its tensors cannot all be viewed here (None: they can)
+    _gatherer: Gatherer | None = None
+    _views: list[torch.Tensor | None] | None = None  # the one cache of tensor views, by entry; None once closed
+    # shard index -> why its tensors cannot all be viewed here (None: they can); made on first use
+    _unviewable: dict[int, str | None] | None = None
 
     def __init__(self, fd: int, generation: int, populate: bool, attachment=None) -> None:
         self._attachment = attachment
@@ -67,7 +68,7 @@ class Table:
                 self._map = region.map_readonly(fd)
             except (RegionError, OSError) as err:
                 raise BadRegion(f"{err}; refusing to map it") from err
-            self._views: list = [None] * len(self.manifest.tensors)  # the one cache of tensor views, by entry
+            self._views = [None] * len(self.manifest.tensors)
             self._by_shard: list[list[int]] = [[] for _ in self.manifest.shards]
             for index, entry in enumerate(self.manifest.tensors):
                 self._by_shard[entry.shard].append(index)
@@ -114,14 +115,15 @@ class Table:
         pages. Returns the seconds it took (also in ``populate_seconds``)."""
         start = time.perf_counter()
         try:
-            self._map.madvise(MADV_POPULATE_READ)
+            self.buffer.madvise(MADV_POPULATE_READ)
         except OSError as err:
             if err.errno != errno.EINVAL:  # EINVAL: a kernel before 5.14; the reads below fault the pages in
                 raise ClientError(f"pre-faulting table {self.manifest.table} failed: {err.strerror} "
-                                  f"(MADV_POPULATE_READ, errno {err.errno}); attach with populate=False to skip it") from err
+                                  f"(MADV_POPULATE_READ, errno {err.errno}); "
+                                  "attach with populate=False to skip it") from err
         huge = hugepages.pmd_mapped_bytes(self.address) >= 0.9 * self.manifest.region_bytes
         stride = hugepages.PMD_SIZE if huge else PAGE
-        int(np.frombuffer(self._map, dtype=np.uint8)[::stride].sum())
+        int(np.frombuffer(self.buffer, dtype=np.uint8)[::stride].sum())
         self.populate_seconds = time.perf_counter() - start
         return self.populate_seconds
 
@@ -133,15 +135,18 @@ class Table:
 
     # -- torch views -------------------------------------------------------------------------
 
-    def view(self, index: int) -> "torch.Tensor":
+    def view(self, index: int) -> torch.Tensor:
         """The zero-copy view of ``manifest.tensors[index]``, made once and kept."""
-        made = self._views[index]
+        views = self._views
+        if views is None:
+            raise ValueError(f"table {self.manifest.table} is closed")
+        made = views[index]
         if made is None:
-            made = self._views[index] = _make_view(self.buffer, self.manifest.tensors[index])
+            made = views[index] = _make_view(self.buffer, self.manifest.tensors[index])
         return made
 
     @property
-    def tensors(self) -> "TensorViews":
+    def tensors(self) -> TensorViews:
         """Tensor name -> zero-copy view, made on first access. Names are unique across the table as they
         stand, else qualified by their shard: ``shard_3/weight_i4``."""
         if self._names is None:
@@ -162,7 +167,7 @@ class Table:
             self._names = TensorViews(self.view, keyed)
         return self._names
 
-    def shard_tensors(self, index: int) -> dict[str, "torch.Tensor"]:
+    def shard_tensors(self, index: int) -> dict[str, torch.Tensor]:
         """The tensors of one shard (one source file), by their names in that file."""
         return {self.manifest.tensors[i].name: self.view(i) for i in self._by_shard[index]}
 
@@ -170,7 +175,7 @@ class Table:
         """One shard's tensor names -> their index in ``manifest.tensors`` (for ``view``), in manifest order."""
         return {self.manifest.tensors[i].name: i for i in self._by_shard[index]}
 
-    def file_view(self, index: int) -> "torch.Tensor":
+    def file_view(self, index: int) -> torch.Tensor:
         """``manifest.tensors[index]`` viewed anew: its bytes as its torch dtype, in the file's shape (an F4 tensor,
         two values a byte, does not take that shape: torch says so, as under safetensors' own reader)."""
         import torch
@@ -200,7 +205,7 @@ class Table:
 
     # -- gather + dequant (the CPU dequant worker's job) -------------------------------------
 
-    def gather(self, row_ids, out: "torch.Tensor | None" = None, dtype=None) -> "torch.Tensor":
+    def gather(self, row_ids, out: torch.Tensor | None = None, dtype=None) -> torch.Tensor:
         """Rows ``row_ids`` (global, across shards in order) dequantized into ``out`` [n, row_width].
 
         Scratch space for the largest request so far is kept with the table, so repeated requests
@@ -214,15 +219,13 @@ class Table:
         return self._gather_for().warm(rows)
 
     @property
-    def scratch(self) -> "Scratch | None":
+    def scratch(self) -> Scratch | None:
         """The gather scratch kept with this table (None before the first gather or warm)."""
         return self._gatherer.scratch if self._gatherer is not None else None
 
-    def _gather_for(self) -> "Gatherer":
+    def _gather_for(self) -> Gatherer:
         if self._gatherer is None:
-            from pled.client.gather import Gatherer
-
-            import torch
+            from pled.client.gather import Gatherer  # imports torch
 
             self._gatherer = Gatherer(self.manifest, _bytes(self.buffer, 0, len(self.buffer)))
         return self._gatherer
@@ -249,7 +252,7 @@ class Table:
         if attachment is not None:
             attachment.close()
 
-    def __enter__(self) -> "Table":
+    def __enter__(self) -> Table:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -285,7 +288,7 @@ def _no_view(entry: region.TensorEntry) -> str | None:
     return None
 
 
-def _make_view(buffer: mmap.mmap, entry: region.TensorEntry) -> "torch.Tensor":
+def _make_view(buffer: mmap.mmap, entry: region.TensorEntry) -> torch.Tensor:
     """The tensor at ``entry``: a view of ``buffer`` at any byte offset (the format does not align tensors, and
     torch reads an unaligned view as it is), shaped as safetensors' own reader shapes it."""
     import torch
@@ -299,7 +302,7 @@ def _make_view(buffer: mmap.mmap, entry: region.TensorEntry) -> "torch.Tensor":
     return _bytes(buffer, entry.offset, entry.nbytes).view(dtype).reshape(shape)
 
 
-def _bytes(buffer: mmap.mmap, offset: int, nbytes: int) -> "torch.Tensor":
+def _bytes(buffer: mmap.mmap, offset: int, nbytes: int) -> torch.Tensor:
     """``nbytes`` of the mapping from ``offset`` as a uint8 tensor that keeps the mapping exported while it lives
     (through the numpy array under it), so ``Table.close`` cannot unmap memory a tensor still points into: the
     mapping then goes with the last such tensor. (``torch.frombuffer`` keeps no export: a view of it outlived
@@ -314,11 +317,11 @@ def _bytes(buffer: mmap.mmap, offset: int, nbytes: int) -> "torch.Tensor":
 class TensorViews(Mapping):
     """Read-only mapping of tensor names to a Table's views (its one cache, ``Table.view``)."""
 
-    def __init__(self, view: Callable[[int], "torch.Tensor"], entries: dict[str, int]) -> None:
+    def __init__(self, view: Callable[[int], torch.Tensor], entries: dict[str, int]) -> None:
         self._view = view
         self._entries = entries
 
-    def __getitem__(self, name: str) -> "torch.Tensor":
+    def __getitem__(self, name: str) -> torch.Tensor:
         return self._view(self._entries[name])
 
     def __iter__(self):

@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import math
 import operator
-import os
 import sys
 
 from pled.client import import_hook  # and pled.client.held_files, once safe_open is called: start-up stays cheap
@@ -83,7 +82,7 @@ def _indexers(shape: tuple, bits: int, index) -> tuple[tuple, list[int]]:
     if len(out) > len(shape):
         raise bad("more slicing indexes than dimensions in tensor")
     ranges = [(i, i + 1, 1) if isinstance(i, int) else (i[0] or 0, size if i[1] is None else i[1], i[2])
-              for i, size in zip(out, shape)]
+              for i, size in zip(out, shape, strict=False)]  # out indexes the leading dimensions
     span, started = bits, False  # bits from one index of the dimension to the next; whether bytes are picked yet
     for dim in reversed(range(len(shape))):  # safetensors checks the last dimension first
         size = shape[dim]
@@ -99,8 +98,9 @@ def _indexers(shape: tuple, bits: int, index) -> tuple[tuple, list[int]]:
         span *= size
     if any(start > stop for start, stop, _ in ranges):
         raise SystemError("Negative size passed to PyByteArray_FromStringAndSize")  # what safetensors 0.8.0 raises
-    picks = tuple(i if isinstance(i, int) else slice(*r) for i, r in zip(out, ranges))
-    shape_out = [len(range(*r)) for i, r in zip(out, ranges) if not isinstance(i, int)] + list(shape[len(out):])
+    picks = tuple(i if isinstance(i, int) else slice(*r) for i, r in zip(out, ranges, strict=True))
+    shape_out = ([len(range(*r)) for i, r in zip(out, ranges, strict=True) if not isinstance(i, int)]
+                 + list(shape[len(out):]))
     return picks, shape_out
 
 
@@ -157,7 +157,7 @@ class PledSafeOpen:
         self._open = True
         self._opener = real  # () -> the real safe_open of this file, for attributes this class does not define
         self._real = None
-        self._metadata = None
+        self._metadata: list | None = None  # [the header's __metadata__], once read
 
     def _check(self) -> None:
         if not self._open:
@@ -208,7 +208,7 @@ class PledSafeOpen:
         """safetensors' prefetch (its main branch, unreleased): nothing to fetch, the tensors are in memory."""
         self._check()
 
-    def __enter__(self) -> "PledSafeOpen":
+    def __enter__(self) -> PledSafeOpen:
         return self
 
     def __exit__(self, exc_type, exc_value, traceback) -> None:
@@ -257,7 +257,7 @@ def _serve(original, filename, framework, device, kwargs) -> PledSafeOpen | None
 
     st = held_files.state()
     held = st.lookup(path) if st is not None else None
-    if held is None:
+    if st is None or held is None:
         return None
     opened = PledSafeOpen(held, framework, kwargs.get("backend", "mmap"),
                           functools.partial(original, filename, framework, device, **kwargs))

@@ -115,12 +115,13 @@ class Policy:
     own_gid: int = -1
 
     @classmethod
-    def for_this_process(cls, allow_uids, allow_gids) -> "Policy":
+    def for_this_process(cls, allow_uids, allow_gids) -> Policy:
         for kind, ids in (("uid", allow_uids), ("gid", allow_gids)):
             unmapped = sorted(unmapped_ids(kind, ids))
             if unmapped:
-                log.warning("allow_%ss %s: not mapped in pled's user namespace (PrivateUsers=yes), so such clients show "
-                            "as 65534 and cannot be admitted; put them in group %d, or set PrivateUsers=no in a drop-in",
+                log.warning("allow_%ss %s: not mapped in pled's user namespace (PrivateUsers=yes), so such "
+                            "clients show as 65534 and cannot be admitted; put them in group %d, or set "
+                            "PrivateUsers=no in a drop-in",
                             "group" if kind == "gid" else kind, ", ".join(map(str, unmapped)), os.getegid())
         return cls(frozenset(allow_uids), frozenset(allow_gids), os.geteuid(), os.getegid())
 

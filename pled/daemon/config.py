@@ -70,7 +70,7 @@ class Config(BaseModel):
         """The file this configuration was read from."""
         return self._source
 
-    def with_socket(self, socket: str) -> "Config":
+    def with_socket(self, socket: str) -> Config:
         """This config, from the same file, serving on ``socket`` (a reload cannot move a bound socket)."""
         config = self.model_copy(update={"socket": socket})
         config._source = self._source
@@ -128,7 +128,8 @@ class Config(BaseModel):
         if not value.startswith("/"):
             raise ValueError(f"{clip(value, 80)!r} must be an absolute path")
         if len(value.encode()) > 107:  # sun_path is 108 bytes with its terminating NUL
-            raise ValueError(f"{clip(value, 80)!r} is {len(value.encode())} bytes; a Unix socket path may have at most 107")
+            raise ValueError(f"{clip(value, 80)!r} is {len(value.encode())} bytes; "
+                             "a Unix socket path may have at most 107")
         return value
 
     @field_validator("tables")

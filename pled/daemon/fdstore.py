@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 
+from pled.daemon.notify import Notifier
 from pled.shared import region
 from pled.shared.errors import RegionError
-from pled.daemon.notify import Notifier
 from pled.shared.region import Manifest, Region
 from pled.shared.sizes import gib
 
@@ -55,7 +56,7 @@ class StoredFd:
     name: str
 
 
-def listen_fds(env: dict | None = None, unset: bool = True) -> list[StoredFd]:
+def listen_fds(env: MutableMapping[str, str] | None = None, unset: bool = True) -> list[StoredFd]:
     """The fds systemd passed us (LISTEN_FDS/LISTEN_FDNAMES), if they are meant for this process.
 
     As sd_listen_fds_with_names(unset_environment=1): the variables are removed so that no child
@@ -109,12 +110,13 @@ class FdStore:
         staging order), which a restart will copy again."""
         if not self.notifier.enabled:
             return
-        log.info("systemd's fd store: up to %d table(s) (%s); %d adopted from it", self.limit, self.source, len(self.names))
+        log.info("systemd's fd store: up to %d table(s) (%s); %d adopted from it", self.limit, self.source,
+                 len(self.names))
         left_out = to_stage[max(0, self.limit - len(self.names)):]
         if left_out:
             wanted = len(self.names) + len(to_stage)
-            log.warning("%d table(s) but systemd's fd store holds %d (%s): %s will not be stored, and a restart of pled "
-                        "copies them again; raise FileDescriptorStoreMax= (and fdstore_max) to at least %d",
+            log.warning("%d table(s) but systemd's fd store holds %d (%s): %s will not be stored, and a restart "
+                        "of pled copies them again; raise FileDescriptorStoreMax= (and fdstore_max) to at least %d",
                         wanted, self.limit, self.source, ", ".join(left_out), wanted)
 
     def adopted(self, name: str) -> None:
@@ -131,9 +133,9 @@ class FdStore:
             return False
         name = fd_name(table, generation)
         if len(self.names) >= self.limit:
-            log.warning("table %s generation %d (%s) not handed to systemd's fd store: it holds %d of %d (%s); a restart "
-                        "of pled copies it again", table, generation, gib(region.manifest.region_bytes), len(self.names),
-                        self.limit, self.source)
+            log.warning("table %s generation %d (%s) not handed to systemd's fd store: it holds %d of %d (%s); "
+                        "a restart of pled copies it again", table, generation, gib(region.manifest.region_bytes),
+                        len(self.names), self.limit, self.source)
             return False
         if not self.notifier.store_fd(region.fd, name):
             return False
@@ -158,7 +160,7 @@ def describe_change(old: Manifest, new: Manifest) -> str:
     """What differs between a stored region and the files now: the first thing a person would check."""
     if len(old.shards) != len(new.shards):
         return f"{len(old.shards)} shards then, {len(new.shards)} now"
-    for a, b in zip(old.shards, new.shards):
+    for a, b in zip(old.shards, new.shards, strict=True):
         name = os.path.basename(b.path)
         if a.path != b.path:
             return f"shard {b.index} was {a.path}, is {b.path}"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable, Collection
+from collections.abc import Callable, Collection
 
 from pled.daemon import tables
 from pled.daemon.registry import Registry
@@ -64,7 +64,8 @@ class Handlers:
 
     def reload(self, conn: Session, params: dict):
         if conn.peer.uid not in (0, os.geteuid()):
-            log.warning("refused io.pled.Reload from %s: only root and pled's own user may reload", conn.peer.describe())
+            log.warning("refused io.pled.Reload from %s: only root and pled's own user may reload",
+                        conn.peer.describe())
             return Reply(protocol.error(protocol.PERMISSION_DENIED, uid=conn.peer.uid))
         return self.reloader.begin(conn)
 

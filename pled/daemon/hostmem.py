@@ -62,7 +62,8 @@ def read_meminfo(root: str = "/") -> MemInfo | None:
         return MemInfo(fields["MemTotal"], fields["MemFree"], fields["MemAvailable"], estimated=False,
                        slab_reclaimable=fields.get("SReclaimable", 0))
     # Older kernels: free plus reclaimable file pages and slab, as the kernel itself estimates.
-    estimate = fields["MemFree"] + fields.get("Active(file)", 0) + fields.get("Inactive(file)", 0) + fields.get("SReclaimable", 0)
+    estimate = (fields["MemFree"] + fields.get("Active(file)", 0) + fields.get("Inactive(file)", 0)
+                + fields.get("SReclaimable", 0))
     return MemInfo(fields["MemTotal"], fields["MemFree"], min(estimate, fields["MemTotal"]), estimated=True,
                    slab_reclaimable=fields.get("SReclaimable", 0))
 

@@ -258,7 +258,8 @@ class Daemon:
                 # Only while bytes keep arriving: a disk that hangs still trips TimeoutStartSec.
                 self.notifier.extend_timeout(EXTEND_BY)
                 self._extended = (now, t.bytes_done)
-            self.set_status(f"staging {t.name} from {t.sidecar.source}: shard {t.shards_done}/{len(t.manifest.shards)}, "
+            self.set_status(f"staging {t.name} from {t.sidecar.source}: "
+                            f"shard {t.shards_done}/{len(t.manifest.shards)}, "
                             f"{gib(t.bytes_done)} of {gib(t.manifest.source_bytes)}")
         elif self.ready and now >= self._next_residency:
             self._next_residency = now + RESIDENCY_EVERY

@@ -57,7 +57,8 @@ def bind(path: str) -> socket.socket:
             os.chmod(parent, 0o750)
         except OSError as err:
             raise PledError(f"cannot create the socket's directory {parent}: {err.strerror}; create it, or set "
-                            "socket in the config to a path under a writable directory (pled.service uses /run/pled)") from err
+                            "socket in the config to a path under a writable directory "
+                            "(pled.service uses /run/pled)") from err
     check_directory(parent)
     try:
         st = os.lstat(path)
@@ -86,8 +87,10 @@ def bind(path: str) -> socket.socket:
         sock.bind(path)
     except OSError as err:
         sock.close()
-        hint = "free space (or inodes) there" if err.errno in (errno.ENOSPC, errno.EDQUOT) else "check the directory's permissions"
-        raise PledError(f"cannot create socket {path}: {err.strerror or err}; {hint}, or set socket elsewhere in the config") from err
+        hint = ("free space (or inodes) there" if err.errno in (errno.ENOSPC, errno.EDQUOT)
+                else "check the directory's permissions")
+        raise PledError(f"cannot create socket {path}: {err.strerror or err}; {hint}, "
+                        "or set socket elsewhere in the config") from err
     finally:
         os.umask(old)
     sock.listen(socket.SOMAXCONN)

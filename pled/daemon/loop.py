@@ -13,7 +13,7 @@ import os
 import selectors
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from pled.daemon.throttle import Throttle
 from pled.shared.boundary import clip

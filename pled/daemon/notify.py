@@ -14,6 +14,7 @@ import array
 import logging
 import os
 import socket
+from collections.abc import Mapping
 
 from pled.shared.boundary import printable
 
@@ -34,7 +35,7 @@ def socket_address(name: str) -> str:
 class Notifier:
     _sock: socket.socket | None = None
 
-    def __init__(self, env: dict | None = None) -> None:
+    def __init__(self, env: Mapping[str, str] | None = None) -> None:
         env = os.environ if env is None else env
         self.address = env.get("NOTIFY_SOCKET") or None
         self.watchdog_interval = _watchdog_interval(env)

@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pled.daemon import config as config_mod, preflight
-from pled.shared import region
 from pled.daemon.config import Config
-from pled.shared.errors import ConfigError
 from pled.daemon.sidecar import Sidecar, open_table
+from pled.shared import region
+from pled.shared.errors import ConfigError
 
 
 def open_tables(config: Config) -> dict[str, Sidecar]:

@@ -5,8 +5,8 @@ alignment and the region header), plus ``headroom_margin``. Available: MemAvaila
 (never MemFree: page cache left by an earlier run is reclaimable and must not
 cause a refusal) plus, on a ZFS host, the ARC above its minimum (a cache MemAvailable leaves out though
 ZFS shrinks it under pressure; less SReclaimable, since OpenZFS 2.3 accounts part of the ARC as
-reclaimable slab, which MemAvailable may already count: never counted twice), and inside a limited memory cgroup the least headroom of any
-level above us (the limit less what is charged and not reclaimable file cache).
+reclaimable slab, which MemAvailable may already count: never counted twice), and inside a limited memory
+cgroup the least headroom of any level above us (the limit less what is charged and not reclaimable file cache).
 If none of that can be read the check is skipped and says "headroom unknown":
 a preflight must never stop a boot for lack of data.
 
@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import resource
 from dataclasses import dataclass, replace
+from enum import Enum
+from typing import Any, Final
 
 from pled.daemon import hostmem
 from pled.shared.errors import PreflightRefused
@@ -50,7 +52,8 @@ class Verdict:
             "mem_available_bytes": self.meminfo.available if self.meminfo else None,
             "cgroup": None if binding is None else {
                 "version": binding.version, "path": binding.path, "limit_bytes": binding.limit,
-                "usage_bytes": binding.usage, "reclaimable_bytes": binding.reclaimable, "headroom_bytes": binding.headroom,
+                "usage_bytes": binding.usage, "reclaimable_bytes": binding.reclaimable,
+                "headroom_bytes": binding.headroom,
             },
             "tables": self.tables,
             "message": self.message,
@@ -93,10 +96,14 @@ def _what(tables: dict[str, int]) -> str:
     return "tables " + ", ".join(f"{n} ({gib(b)})" for n, b in tables.items())
 
 
-_READ = object()
+class _Default(Enum):
+    READ = "read from this process"
 
 
-def check(tables: dict[str, int], margin: int, root: str = "/", fsize_limit: int | None | object = _READ) -> Verdict:
+_READ: Final = _Default.READ
+
+
+def check(tables: dict[str, int], margin: int, root: str = "/", fsize_limit: int | None | _Default = _READ) -> Verdict:
     """Compare the bytes these tables need with what this process can have (memory, and the file size limit:
     ``fsize_limit`` in bytes, None for unlimited, read from this process by default)."""
     limit = file_size_limit() if fsize_limit is _READ else fsize_limit
@@ -129,11 +136,12 @@ def _check_memory(tables: dict[str, int], margin: int, root: str) -> Verdict:
     arc_counted = max(0, arc.reclaimable - meminfo.slab_reclaimable) if arc and meminfo else 0
     host = meminfo.available + arc_counted if meminfo else None
     candidates = [x for x in (host, binding.headroom if binding else None) if x is not None]
-    found = {"zfs_arc": arc, "zfs_arc_counted": arc_counted}
+    found: dict[str, Any] = {"zfs_arc": arc, "zfs_arc_counted": arc_counted}
     if not candidates:
         why = "; ".join(problems) or "no /proc/meminfo and no memory cgroup"
         return Verdict(True, needed, margin, None, meminfo, cgroup, tables,
-                       f"headroom unknown ({why}); skipping the memory check for {gib(needed)}", tuple(problems), **found)
+                       f"headroom unknown ({why}); skipping the memory check for {gib(needed)}", tuple(problems),
+                       **found)
     available = min(candidates)
     if binding is not None and binding.headroom <= available:
         where = f"cgroup limit {gib(binding.limit)}"

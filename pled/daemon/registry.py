@@ -20,8 +20,8 @@ A released generation's region is closed here; clients that hold its fd or map i
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Callable, Mapping
 
 from pled.daemon import staging
 from pled.daemon.config import Config
@@ -157,8 +157,9 @@ class Registry:
         holders = self._holders(old.name, old.generation)
         self._fdstore.remove(old.name, old.generation)
         old.region.close()
-        log.info("table %s generation %d released (%s); %d connected client(s) attached to it; its memory is freed "
-                 "when the last process that maps it or holds its fd lets it go", old.name, old.generation, why, holders)
+        log.info("table %s generation %d released (%s); %d connected client(s) attached to it; its memory is "
+                 "freed when the last process that maps it or holds its fd lets it go", old.name, old.generation, why,
+                 holders)
 
     # -- at stop -----------------------------------------------------------------------------
 

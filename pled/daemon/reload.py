@@ -19,8 +19,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from pled.daemon import planning
 from pled.daemon.config import Config
@@ -85,7 +85,8 @@ class Reloader:
             if self.current is not None:
                 self.current.callers.append(caller)  # it will answer this caller too
                 return PENDING
-            return Reply(protocol.error(protocol.RELOAD_FAILED, reason="the first staging is still under way; try again"))
+            return Reply(protocol.error(protocol.RELOAD_FAILED,
+                                        reason="the first staging is still under way; try again"))
         source = self.registry.config.source
         self.notifier.send("RELOADING=1", f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}",
                            f"STATUS=reloading {source}")
@@ -145,7 +146,8 @@ class Reloader:
         self.registry.switch(r.plan)
         self.config_changed(self.registry.config)
         log.info("reload done in %.1f s: %s", time.monotonic() - r.started,
-                 ", ".join(f"{k} {', '.join(v)}" for k, v in reply.items() if v and k != "generations") or "nothing changed")
+                 ", ".join(f"{k} {', '.join(v)}" for k, v in reply.items() if v and k != "generations")
+                 or "nothing changed")
         self._after(r.callers, Reply(protocol.reply(**reply)))
 
     def fail(self, why: str) -> None:

@@ -71,8 +71,9 @@ def read_header(path: str) -> SafetensorsHeader:
                 f"but the file has {size} bytes",
             )
         if header_len > MAX_HEADER:
-            raise SidecarError(path, f"its header is {header_len} bytes; pled reads headers of at most {MAX_HEADER} bytes "
-                                     "(a shard of a real checkpoint has a few hundred KB): split the file")
+            raise SidecarError(path, f"its header is {header_len} bytes; pled reads headers of at most "
+                                     f"{MAX_HEADER} bytes (a shard of a real checkpoint has a few hundred KB): "
+                                     "split the file")
         raw = _pread_all(fd, header_len, 8)
     except OSError as err:
         raise SidecarError(path, f"cannot be read ({err.strerror or err}); check the file and the disk") from err
@@ -165,7 +166,8 @@ def _tensor(path: str, name: str, spec: object, data_offset: int, data_size: int
     return TensorInfo(name=name, dtype=dtype, shape=tuple(shape), begin=data_offset + offsets[0], nbytes=bits // 8)
 
 
-def write(path: str, tensors: list[tuple[str, str, tuple[int, ...], bytes | memoryview]], metadata: dict | None = None) -> str:
+def write(path: str, tensors: list[tuple[str, str, tuple[int, ...], bytes | memoryview]],
+          metadata: dict | None = None) -> str:
     """Write a safetensors file (used by the sidecar generator and tests), padding the header to 8 bytes, and fsync it.
     Returns the digest of the file's bytes that pled records while staging, as "<digests.OWN>:<hex>"."""
     from pled.shared.digests import OWN, new_hasher

@@ -13,21 +13,20 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import socket
 import stat
-import os
 import time
-from typing import Callable
+from collections.abc import Callable
 
-from pled.shared import protocol
 from pled.daemon import fdlimit
 from pled.daemon.access import Policy, peer_of
-from pled.shared.boundary import clip
-from pled.daemon.session import (CALL_TIMEOUT, MAX_UNREAD, MAX_UNREAD_PER_UID, Outgoing, Reply, Session,
-                                 fd_budget_drops)
 from pled.daemon.listener import bind
 from pled.daemon.loop import READ, WRITE, Loop
+from pled.daemon.session import CALL_TIMEOUT, MAX_UNREAD, MAX_UNREAD_PER_UID, Outgoing, Reply, Session, fd_budget_drops
 from pled.daemon.throttle import Throttle
+from pled.shared import protocol
+from pled.shared.boundary import clip
 
 __all__ = ["CALL_TIMEOUT", "Session", "PENDING", "Reply", "Server"]
 
@@ -113,7 +112,8 @@ class Server:
     def _admit(self, peer) -> bool:
         """Room for ``peer``: within its uid's share (fdlimit.over_share) and the cap, where an idle one may go."""
         uids = [c.peer.uid for c in self.connections.values()]
-        why = fdlimit.over_share(peer.uid, (0, self.policy.own_uid), uids.count(peer.uid), len(uids), self.max_connections)
+        why = fdlimit.over_share(peer.uid, (0, self.policy.own_uid), uids.count(peer.uid), len(uids),
+                                 self.max_connections)
         if why is None and len(uids) >= self.max_connections and not self._make_room():
             why = f"all {len(uids)} connections are attached or busy (the cap, from the open-file limit)"
         if why is not None:
@@ -212,7 +212,8 @@ class Server:
 
     def _dispatch(self, conn: Session, raw: bytes) -> None:
         if not conn.allowed:
-            log.warning("refused %s: not root, not pled's user or group, not in allow_uids or allow_groups", conn.peer.describe())
+            log.warning("refused %s: not root, not pled's user or group, not in allow_uids or allow_groups",
+                        conn.peer.describe())
             self.send(conn, Reply(protocol.error(protocol.PERMISSION_DENIED, uid=conn.peer.uid), close_after=True))
             return
         try:
@@ -245,7 +246,8 @@ class Server:
             if reply.regions and not self._room_for_fds(conn, len(reply.regions)):
                 return
             data = protocol.encode(reply.message)
-            if conn.out_bytes + len(data) > MAX_UNREAD or self._unread_of(conn.peer.uid) + len(data) > MAX_UNREAD_PER_UID:
+            if (conn.out_bytes + len(data) > MAX_UNREAD
+                    or self._unread_of(conn.peer.uid) + len(data) > MAX_UNREAD_PER_UID):
                 self._drop(conn, f"{conn.out_bytes + len(data)} bytes of replies it does not read")
                 return
             conn.queue(self._outgoing(conn, data, reply))
@@ -263,7 +265,8 @@ class Server:
         except OSError as err:
             self._throttle.log("nofd", log.warning, "cannot send a table to %s: %s (%d connections open; raise "
                                "LimitNOFILE=)", conn.peer.describe(), err.strerror, len(self.connections))
-            return Outgoing(protocol.encode(protocol.error(protocol.INTERNAL_ERROR, reason=f"no fd free ({err.strerror})")), [])
+            reason = f"no fd free ({err.strerror})"
+            return Outgoing(protocol.encode(protocol.error(protocol.INTERNAL_ERROR, reason=reason)), [])
 
     def _unread_of(self, uid: int) -> int:
         return sum(c.out_bytes for c in self.connections.values() if c.peer.uid == uid)

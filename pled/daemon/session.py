@@ -1,4 +1,5 @@
-"""One client's session (its connection, server side): who it is, the calls it sent, the replies it has not read, the fds in flight to it.
+"""One client's session (its connection, server side): who it is, the calls it sent, the replies it has not
+read, the fds in flight to it.
 
 Replies are written as the peer reads them. While a reply waits, pled reads no further calls from that
 peer (the kernel's socket buffers hold them, and the peer's writes block), so one connection holds at most
@@ -22,11 +23,11 @@ import struct
 import termios
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
-from pled.shared import protocol
 from pled.daemon.access import Peer
+from pled.shared import protocol
 from pled.shared.region import Region
 
 CALL_TIMEOUT = 5.0  # seconds a half-sent call, or an unread reply, may wait
@@ -76,7 +77,7 @@ class Outgoing:
         self.on_sent = on_sent
 
     @classmethod
-    def of(cls, data: bytes, reply: Reply) -> "Outgoing":
+    def of(cls, data: bytes, reply: Reply) -> Outgoing:
         """``data`` with new fds for the reply's regions (OSError, with none left open, where no fd is free)."""
         fds: list[int] = []
         try:

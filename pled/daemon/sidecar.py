@@ -12,12 +12,12 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from pled.shared import layouts
 from pled.daemon import sidecar_meta
+from pled.daemon.safetensors_file import SafetensorsHeader, read_header
+from pled.shared import layouts
 from pled.shared.boundary import BoundaryError, clip, load_json, read_bounded
 from pled.shared.digests import HEX_LENGTH
 from pled.shared.errors import SidecarError
-from pled.daemon.safetensors_file import SafetensorsHeader, read_header
 
 _NUMBERED = re.compile(r"^(?P<prefix>.*?)(?P<n>\d+)\.safetensors$")
 _OF = re.compile(r"^(?P<prefix>.*?)-(?P<n>\d+)-of-(?P<total>\d+)\.safetensors$")
@@ -71,7 +71,8 @@ class Sidecar:
             "bytes": self.nbytes,
             "meta": {k: v for k, v in self.meta.items() if k != "digests"},
             "files": [
-                {"path": s.path, "bytes": s.size, "rows": s.rows, "tensors": len(s.header.tensors), "fingerprint": s.header.fingerprint}
+                {"path": s.path, "bytes": s.size, "rows": s.rows, "tensors": len(s.header.tensors),
+                 "fingerprint": s.header.fingerprint}
                 for s in self.shards
             ],
         }
@@ -90,9 +91,11 @@ def find_files(source: str) -> list[str]:
         try:
             names = [n for n in os.listdir(source) if n.endswith(".safetensors")]
         except OSError as err:
-            raise SidecarError(source, f"cannot list the directory ({err.strerror or err}); give pled's user access") from err
+            raise SidecarError(source,
+                               f"cannot list the directory ({err.strerror or err}); give pled's user access") from err
         if not names:
-            raise SidecarError(source, "directory holds no .safetensors files; point the table at a sidecar directory or a glob")
+            raise SidecarError(source, "directory holds no .safetensors files; "
+                                       "point the table at a sidecar directory or a glob")
         files = [os.path.join(source, n) for n in names]
     elif glob.has_magic(source):
         files = [f for f in glob.glob(source) if os.path.isfile(f)]
@@ -100,7 +103,8 @@ def find_files(source: str) -> list[str]:
             raise SidecarError(source, "the pattern matches no files; check the table's path")
         not_st = [f for f in files if not f.endswith(".safetensors")]
         if not_st:
-            raise SidecarError(not_st[0], "matched by the table's pattern but not a .safetensors file; narrow the pattern")
+            raise SidecarError(not_st[0],
+                               "matched by the table's pattern but not a .safetensors file; narrow the pattern")
     elif os.path.exists(source):
         files = [source]
     else:
@@ -132,7 +136,7 @@ def check_numbering(files: list[str]) -> None:
 
 def _contiguous(files: list[str], numbers: list[int], expect: range) -> None:
     seen: dict[int, str] = {}
-    for n, f in zip(numbers, files):
+    for n, f in zip(numbers, files, strict=True):
         if n in seen:
             raise SidecarError(f, f"shard number {n} appears twice (also {os.path.basename(seen[n])})")
         seen[n] = f
@@ -140,7 +144,8 @@ def _contiguous(files: list[str], numbers: list[int], expect: range) -> None:
     if missing:
         directory = os.path.dirname(files[0])
         shown = ", ".join(str(n) for n in missing[:5]) + (" …" if len(missing) > 5 else "")
-        raise SidecarError(directory, f"shard numbering has a gap: number {shown} missing of {expect.start}..{expect.stop - 1}")
+        raise SidecarError(directory,
+                           f"shard numbering has a gap: number {shown} missing of {expect.start}..{expect.stop - 1}")
     if len(seen) != len(expect):
         extra = sorted(set(seen) - set(expect))
         raise SidecarError(seen[extra[0]], f"shard number {extra[0]} is outside {expect.start}..{expect.stop - 1}")
@@ -165,7 +170,8 @@ def open_table(source: str) -> Sidecar:
                 raise SidecarError(h.path, f"row width {w} differs from {width} in {os.path.basename(headers[0].path)}")
             width = w
             rows_per_shard.append(rows)
-    elif len(headers) > 1 and all(_NUMBERED.match(os.path.basename(h.path)) and not _OF.match(os.path.basename(h.path)) for h in headers):
+    elif len(headers) > 1 and all(_NUMBERED.match(os.path.basename(h.path)) and not _OF.match(os.path.basename(h.path))
+                                  for h in headers):
         _check_alike(headers)  # shards of one unknown layout must at least agree with each other
     shards = []
     for i, h in enumerate(headers):
@@ -174,8 +180,8 @@ def open_table(source: str) -> Sidecar:
         except OSError as err:
             raise SidecarError(h.path, f"vanished while being read ({err.strerror or err})") from err
         shards.append(
-            Shard(index=i, path=os.path.realpath(h.path), header=h, mtime_ns=st.st_mtime_ns, dev=st.st_dev, ino=st.st_ino,
-                  rows=rows_per_shard[i] if rows_per_shard else 0)
+            Shard(index=i, path=os.path.realpath(h.path), header=h, mtime_ns=st.st_mtime_ns, dev=st.st_dev,
+                  ino=st.st_ino, rows=rows_per_shard[i] if rows_per_shard else 0)
         )
     sidecar = Sidecar(
         source=source,
@@ -202,7 +208,8 @@ def _detect_layout(headers: list[SafetensorsHeader]) -> layouts.Layout | None:
             found = layout
         elif layout is not found:
             this = layout.name if layout else "no PLE layout"
-            raise SidecarError(h.path, f"holds {this} but {os.path.basename(headers[0].path)} holds {found.name if found else 'no PLE layout'}")
+            raise SidecarError(h.path, f"holds {this} but {os.path.basename(headers[0].path)} "
+                                       f"holds {found.name if found else 'no PLE layout'}")
     return found
 
 
@@ -214,13 +221,15 @@ def _check_alike(headers: list[SafetensorsHeader]) -> None:
     for h in headers[1:]:
         this = sig(h)
         if set(this) != set(first):
-            raise SidecarError(h.path, f"tensors {sorted(this)} differ from {sorted(first)} in {os.path.basename(headers[0].path)}")
+            raise SidecarError(h.path, f"tensors {sorted(this)} differ from {sorted(first)} "
+                                       f"in {os.path.basename(headers[0].path)}")
         for name, (dtype, trailing) in this.items():
             if (dtype, trailing) != first[name]:
                 raise SidecarError(
                     h.path,
                     f"tensor {name!r} is {dtype}[*, {', '.join(map(str, trailing))}] but "
-                    f"{first[name][0]}[*, {', '.join(map(str, first[name][1]))}] in {os.path.basename(headers[0].path)}",
+                    f"{first[name][0]}[*, {', '.join(map(str, first[name][1]))}] "
+                    f"in {os.path.basename(headers[0].path)}",
                 )
 
 
@@ -255,7 +264,8 @@ def _read_digests(directory: str, meta: dict, names: set[str]) -> dict:
         for name, value in listed.items():
             algo, _, hexdigest = str(value).partition(":")
             if not _is_hex(algo, hexdigest):
-                raise SidecarError(where, f"digest of {clip(name, 80)} is {clip(value, 80)!r}; expected one of {_FORMS}")
+                raise SidecarError(where,
+                                   f"digest of {clip(name, 80)} is {clip(value, 80)!r}; expected one of {_FORMS}")
             found[name] = (algo, hexdigest, where)
     for sums, algo in _SUMS.items():
         path = os.path.join(directory, sums)
@@ -277,7 +287,8 @@ def _read_digests(directory: str, meta: dict, names: set[str]) -> dict:
             found.setdefault(name, (algo, hexdigest, path))
     unknown = sorted(set(found) - names)
     if unknown:
-        raise SidecarError(found[unknown[0]][2], f"lists a digest for {clip(unknown[0], 80)}, which is not a shard of this table")
+        raise SidecarError(found[unknown[0]][2],
+                           f"lists a digest for {clip(unknown[0], 80)}, which is not a shard of this table")
     return found
 
 

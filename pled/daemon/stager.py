@@ -15,7 +15,7 @@ import os
 import queue
 import threading
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from pled.daemon import events, staging
 from pled.daemon.config import Config
@@ -83,7 +83,7 @@ class Stager:
             me = threading.current_thread()
             self._reading[me] = (t, time.monotonic())
 
-            def on_shard(shard, offset, seconds, t=t, n=n):
+            def on_shard(shard, offset, seconds, t=t, n=n, me=me):
                 t.copy.shard_copied(shard.size)
                 self._reading[me] = (t, time.monotonic())
                 log.info("table %s: shard %d/%d %s %s in %.0f ms (%s)", t.name, shard.index + 1, n, shard.name,

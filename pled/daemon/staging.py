@@ -14,17 +14,17 @@ import logging
 import mmap
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
 
+from pled.daemon.sidecar import Shard, Sidecar
 from pled.shared import hugepages, region
 from pled.shared.boundary import BoundaryError, open_regular
 from pled.shared.digests import OWN, new_hasher
 from pled.shared.errors import EX_OK, PledError, SidecarError, StagingError
 from pled.shared.pagecache import mapping_address
 from pled.shared.region import Manifest, Region
-from pled.daemon.sidecar import Shard, Sidecar
 from pled.shared.sizes import gib, rate
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,8 @@ def plan_fill(huge_pages: str, policy: hugepages.ShmemPolicy | None) -> FillPlan
     if huge_pages == "off":
         return FillPlan(SENDFILE, "off (config)", "huge_pages = \"off\" in the config: the table uses 4 KiB pages")
     if policy is None:
-        return FillPlan(SENDFILE, "unsupported", "this kernel has no transparent huge pages: the table uses 4 KiB pages")
+        return FillPlan(SENDFILE, "unsupported",
+                        "this kernel has no transparent huge pages: the table uses 4 KiB pages")
     if not policy.allows_huge:
         return FillPlan(
             SENDFILE, policy.effective,
@@ -85,7 +86,8 @@ def _drop_cache(fd: int, offset: int, length: int, path: str) -> None:
     try:
         os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
     except OSError as err:  # os.posix_fadvise raises on the returned error, unlike a bare libc call
-        log.warning("could not drop page cache of %s (%s); staging goes on, page cache will be reclaimed later", path, err)
+        log.warning("could not drop page cache of %s (%s); staging goes on, page cache will be reclaimed later",
+                    path, err)
 
 
 class Pacer:
@@ -135,10 +137,12 @@ def _copy_shard(shard: Shard, offset: int, fd: int, view: memoryview | None, pac
                 else:
                     got = os.preadv(src, [view[offset + done: offset + done + want]], done)
             except OSError as err:
-                raise StagingError(table, f"reading {shard.path} failed at offset {done} of {shard.size}: {err.strerror}; "
-                                          "check the disk (dmesg) or copy the sidecar elsewhere") from err
+                raise StagingError(table, f"reading {shard.path} failed at offset {done} of {shard.size}: "
+                                          f"{err.strerror}; check the disk (dmesg) "
+                                          "or copy the sidecar elsewhere") from err
             if got == 0:
-                raise StagingError(table, f"{shard.path} ended at byte {done} of {shard.size}: it was truncated while staging")
+                raise StagingError(table,
+                                   f"{shard.path} ended at byte {done} of {shard.size}: it was truncated while staging")
             _drop_cache(src, done, got, shard.path)
             done += got
             pacer.account(got)
@@ -186,7 +190,8 @@ def stage(
     try:
         os.ftruncate(fd, planned.region_bytes)
         start = time.perf_counter()
-        manifest, huge_bytes = _fill(fd, planned, sidecar, fill, on_shard, Pacer(bandwidth, should_stop, chunk), table, digests)
+        manifest, huge_bytes = _fill(fd, planned, sidecar, fill, on_shard, Pacer(bandwidth, should_stop, chunk), table,
+                                     digests)
         seconds = time.perf_counter() - start
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, region.SEALS)
         os.fchmod(fd, 0o444)  # a client cannot reopen it writable through /proc either (the seals hold regardless)
@@ -220,8 +225,8 @@ def _check_digest(sidecar: Sidecar, shard: Shard, actual: str | None) -> None:
         return
     algo, hexdigest, where = expected
     if actual != hexdigest:
-        raise SidecarError(shard.path, f"content {algo}:{actual[:16]}... does not match {algo}:{hexdigest[:16]}... in {where}; "
-                                       "the file is damaged or the digest is stale: copy the shard again")
+        raise SidecarError(shard.path, f"content {algo}:{actual[:16]}... does not match {algo}:{hexdigest[:16]}... "
+                                       f"in {where}; the file is damaged or the digest is stale: copy the shard again")
 
 
 def _fill(fd, manifest, sidecar, fill, on_shard, pacer, table, hashing: bool = True) -> tuple[Manifest, int]:
@@ -238,7 +243,7 @@ def _fill(fd, manifest, sidecar, fill, on_shard, pacer, table, hashing: bool = T
         planned_length = len(header)
         _write(fd, view, 0, header)
         _write(fd, view, len(header), bytes(manifest.data_offset - len(header)))
-        for shard, entry in zip(sidecar.shards, manifest.shards):
+        for shard, entry in zip(sidecar.shards, manifest.shards, strict=True):
             t = time.perf_counter()
             _copy_shard(shard, entry.offset, fd, view, pacer, table)
             if hashing:
@@ -252,7 +257,7 @@ def _fill(fd, manifest, sidecar, fill, on_shard, pacer, table, hashing: bool = T
             if on_shard:
                 on_shard(shard, entry.offset, time.perf_counter() - t)
         done = [f.result() for f in digests]
-        for shard, (_, shipped) in zip(sidecar.shards, done):
+        for shard, (_, shipped) in zip(sidecar.shards, done, strict=False):  # done is [] when not hashing
             _check_digest(sidecar, shard, shipped)
         final = manifest.with_digests([own for own, _ in done]) if hashing else manifest
         header = region.encode_header(final)

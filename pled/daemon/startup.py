@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from pled.daemon import fdstore, planning
 from pled.daemon.config import Config

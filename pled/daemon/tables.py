@@ -17,14 +17,14 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 from pled import __version__
+from pled.daemon.sidecar import Sidecar
 from pled.shared import protocol, region
 from pled.shared.boundary import clip
 from pled.shared.pagecache import cached_bytes_fd
 from pled.shared.region import Region
-from pled.daemon.sidecar import Sidecar
 from pled.shared.sizes import gib
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ class SourceCheck:
         return f"{answer[0]} (checked {now - answer[1]:.0f} s ago; {waiting})"
 
 
-class State(str, Enum):
+class State(StrEnum):
     """Where a table is: WAITING (planned) -> STAGING (its copy has begun) -> READY (sealed, served), or FAILED."""
 
     WAITING = "waiting"
@@ -166,7 +166,8 @@ class TableState:
             **self.progress(), "origin": self.origin, "layout": self.manifest.layout, "rows": self.manifest.rows,
             "row_width": self.manifest.row_width, "region_bytes": self.manifest.region_bytes,
             "generation": self.generation, "fingerprint": self.manifest.fingerprint,
-            "content_digest": self.manifest.content_digest or None, "sources": self.sources(), "error": self.error or None,
+            "content_digest": self.manifest.content_digest or None, "sources": self.sources(),
+            "error": self.error or None,
         }
         r = self.region
         if r is not None and not r.closed:

@@ -73,8 +73,9 @@ _SPECIAL_ROOTS = ("/proc", "/sys")
 
 
 def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a Unix socket"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory")):
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a Unix socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISDIR, "a directory")):
         if test(mode):
             return name
     return "not a regular file"
@@ -177,7 +178,8 @@ def depth(raw: bytes) -> int:
 
 def _int(text: str) -> int:
     if len(text.lstrip("-")) > MAX_INT_DIGITS:
-        raise BoundaryError(f"holds an integer of {len(text.lstrip('-'))} digits; at most {MAX_INT_DIGITS} are accepted")
+        raise BoundaryError(f"holds an integer of {len(text.lstrip('-'))} digits; "
+                            f"at most {MAX_INT_DIGITS} are accepted")
     return int(text)
 
 

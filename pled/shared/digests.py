@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import hashlib
 
-OWN = "xxh3_128"  # what pled records while staging (fast, and releases the GIL); the others only where a sidecar ships them
+# OWN: what pled records while staging (fast, and releases the GIL); the others only where a sidecar ships them
+OWN = "xxh3_128"
 HEX_LENGTH = {"xxh3_128": 32, "blake3": 64, "sha256": 64}  # every digest pled knows, and its length in hex digits
 # Stands in for a shard's digest until staging has computed it: same length, so the manifest's size,
 # and every offset that depends on it, is the same before and after.

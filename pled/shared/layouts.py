@@ -43,8 +43,10 @@ class Layout:
 LAYOUTS = {
     layout.name: layout
     for layout in (
-        Layout("ples_fp8", (TensorSpec("weight_fp8", "F8_E4M3", ("R", "W")), TensorSpec("weight_scale", "F32", ("R",)))),
-        Layout("ples_int4", (TensorSpec("weight_i4", "U8", ("R", "W/2")), TensorSpec("weight_scale", "F16", ("R", "W/16")))),
+        Layout("ples_fp8", (TensorSpec("weight_fp8", "F8_E4M3", ("R", "W")),
+                            TensorSpec("weight_scale", "F32", ("R",)))),
+        Layout("ples_int4", (TensorSpec("weight_i4", "U8", ("R", "W/2")),
+                             TensorSpec("weight_scale", "F16", ("R", "W/16")))),
         Layout(
             "ples_nvfp4",
             (
@@ -71,7 +73,8 @@ def detect(names: set[str] | frozenset[str]) -> Layout | None:
         if layout.tensors[0].name in names:
             missing = sorted(layout.names - names)
             extra = sorted(names - layout.names)
-            parts = ([f"lacks {', '.join(missing)}"] if missing else []) + ([f"has unexpected {', '.join(extra)}"] if extra else [])
+            parts = (([f"lacks {', '.join(missing)}"] if missing else [])
+                     + ([f"has unexpected {', '.join(extra)}"] if extra else []))
             raise ValueError(f"looks like {layout.name} but {' and '.join(parts)}")
     return None
 

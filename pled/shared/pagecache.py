@@ -17,7 +17,8 @@ class _Range(ctypes.Structure):
 
 
 class _Stat(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_uint64) for n in ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")]
+    _fields_ = [(n, ctypes.c_uint64)
+                for n in ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")]
 
 
 def _cachestat(fd: int) -> int | None:

@@ -105,18 +105,18 @@ class Manifest:
             return ""
         return "sha256:" + hashlib.sha256("\n".join(s.digest for s in self.shards).encode()).hexdigest()
 
-    def identity(self) -> "Manifest":
+    def identity(self) -> Manifest:
         """The manifest without content digests: what staging the same files would plan again."""
         return replace(self, shards=tuple(replace(s, digest="") for s in self.shards))
 
-    def with_digests(self, digests: list[str]) -> "Manifest":
-        return replace(self, shards=tuple(replace(s, digest=d) for s, d in zip(self.shards, digests)))
+    def with_digests(self, digests: list[str]) -> Manifest:
+        return replace(self, shards=tuple(replace(s, digest=d) for s, d in zip(self.shards, digests, strict=True)))
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":"), sort_keys=True).encode()
 
     @classmethod
-    def from_json(cls, raw: bytes) -> "Manifest":
+    def from_json(cls, raw: bytes) -> Manifest:
         """Parse and check a manifest from untrusted bytes; ValueError says what is wrong with it."""
         doc = _object_of(load_json(raw, max_bytes=MAX_MANIFEST, max_depth=MANIFEST_DEPTH), cls, "its top object")
         shards = [_object_of(s, ShardEntry, f"shard {i}") for i, s in enumerate(doc["shards"])]
@@ -294,7 +294,8 @@ def check_sealed_memfd(fd: int) -> None:
         why = "a file that cannot be sealed, such as one on disk" if err.errno == errno.EINVAL else err.strerror
         raise RegionError(f"fd {fd} is not a memfd: F_GET_SEALS fails ({why})") from err
     if have & SEALS != SEALS:
-        raise RegionError(f"fd {fd} is not sealed (seals {have:#x}; a region has {SEALS:#x}: shrink, grow, write, seal)")
+        raise RegionError(f"fd {fd} is not sealed "
+                          f"(seals {have:#x}; a region has {SEALS:#x}: shrink, grow, write, seal)")
 
 
 def map_readonly(fd: int) -> mmap.mmap:
@@ -334,7 +335,7 @@ class Region:
         if fd >= 0:
             _close(fd)
 
-    def __enter__(self) -> "Region":
+    def __enter__(self) -> Region:
         return self
 
     def __exit__(self, *exc) -> None:

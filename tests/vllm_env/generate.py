@@ -1,4 +1,7 @@
-"""Generate greedily with vllm.LLM on the CPU and print the tokens as JSON: generate.py MODEL_DIR [ADDITIONAL_CONFIG_JSON]"""
+"""Generate greedily with vllm.LLM on the CPU and print the tokens as JSON:
+
+    generate.py MODEL_DIR [ADDITIONAL_CONFIG_JSON]
+"""
 import json
 import os
 import sys

@@ -55,7 +55,8 @@ def as_bytes(pairs):
                   for name, t in pairs)
 
 
-out = {"version": vllm.__version__, "weight_utils": wu.__file__, "wrapped": getattr(wu.safetensors_weights_iterator, "__pled__", False)}
+out = {"version": vllm.__version__, "weight_utils": wu.__file__,
+       "wrapped": getattr(wu.safetensors_weights_iterator, "__pled__", False)}
 cases = {"none": others, "some": held[:1] + others + held[1:], "all": held}
 through_pled = {}
 for case, paths in cases.items():
