@@ -339,9 +339,9 @@ def test_a_reload_that_narrows_access_refuses_the_next_connect_and_widening_admi
 # -- replies left unread: dropped by their size, before the call timeout --------------------------------------------
 
 UNREAD_BOUND = 8 * 1024  # pled's per-uid bound on unread replies, scaled down for this test (see below)
-SCALE_DOWN = ("import pled.daemon.server as server\n"
-              "assert hasattr(server, 'MAX_UNREAD_PER_UID')  # else this patch would change nothing\n"
-              f"server.MAX_UNREAD_PER_UID = {UNREAD_BOUND}\n")
+SCALE_DOWN = ("import pled.daemon.session as session\n"
+              "assert hasattr(session, 'MAX_UNREAD_PER_UID')  # else this patch would change nothing\n"
+              f"session.MAX_UNREAD_PER_UID = {UNREAD_BOUND}\n")
 MISSPELT = protocol.call(protocol.ATTACH, table="a-table-pled-does-not-serve-" + "x" * 170)  # NoSuchTable each
 
 
@@ -387,6 +387,12 @@ def test_connections_that_leave_their_replies_unread_are_dropped_by_size_well_be
     assert took < CALL_TIMEOUT / 2, f"dropped after {took:.1f} s"
     assert "for over" not in pled.log()  # nothing was dropped by the call timeout
     wait_until(lambda: int(p.do("floods_closed")) >= 1, 5, "pled did not close the connection it dropped")
+
+    # U's flood fills its share again; a well-behaved connection of U is still answered: the connections holding
+    # the unread bytes are the ones dropped, not the one whose small reply comes last.
+    p.do("flood", sock, MISSPELT.decode())
+    pid, said = once(users, u, v, [], "attach", sock)
+    assert said == "attached generation 1", (said, pled.log()[-2000:])
 
     # The rest of pled is unharmed: another uid is answered meanwhile, and once U's connections are gone U attaches.
     assert client.call(protocol.STATUS, socket=sock)["tables"][0]["state"] == "ready"

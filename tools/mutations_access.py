@@ -77,11 +77,14 @@ MUTATIONS = [
              "Policy.for_this_process(config.allow_uids, self.server.policy.allow_gids)\n",
              (f"{NARROWED}[allow_groups]",)),
     # The bound on one uid's unread replies.
-    Mutation("no bound on the replies one uid's connections leave unread", "pled/daemon/server.py",
-             "or self._unread_of(conn.peer.uid) + len(data) > MAX_UNREAD_PER_UID", "or False",
+    Mutation("no bound on the replies one uid's connections leave unread", "pled/daemon/session.py",
+             "    while same and sum(unread(c) for c in same) > MAX_UNREAD_PER_UID:", "    while False:",
+             (UNREAD,)),
+    Mutation("the connection whose reply passes the uid's bound dropped, not the one holding the most",
+             "pled/daemon/session.py", "        greedy = max(same, key=unread)", "        greedy = conn",
              (UNREAD,)),
     Mutation("a connection dropped for its unread replies is dropped unlogged", "pled/daemon/server.py",
-             'f"{conn.out_bytes + len(data)} bytes of replies it does not read"', "None",
+             "len(data)):\n                self._drop(victim, why)", "len(data)):\n                self._drop(victim, None)",
              (UNREAD,)),
 ]
 

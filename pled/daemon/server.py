@@ -23,7 +23,7 @@ from pled.daemon import fdlimit
 from pled.daemon.access import Policy, peer_of
 from pled.daemon.listener import bind
 from pled.daemon.loop import READ, WRITE, Loop
-from pled.daemon.session import CALL_TIMEOUT, MAX_UNREAD, MAX_UNREAD_PER_UID, Outgoing, Reply, Session, fd_budget_drops
+from pled.daemon.session import CALL_TIMEOUT, Outgoing, Reply, Session, fd_budget_drops, unread_drops
 from pled.daemon.throttle import Throttle
 from pled.shared import protocol
 from pled.shared.boundary import clip
@@ -246,9 +246,9 @@ class Server:
             if reply.regions and not self._room_for_fds(conn, len(reply.regions)):
                 return
             data = protocol.encode(reply.message)
-            if (conn.out_bytes + len(data) > MAX_UNREAD
-                    or self._unread_of(conn.peer.uid) + len(data) > MAX_UNREAD_PER_UID):
-                self._drop(conn, f"{conn.out_bytes + len(data)} bytes of replies it does not read")
+            for victim, why in unread_drops(conn, list(self.connections.values()), len(data)):
+                self._drop(victim, why)
+            if not self._live(conn):
                 return
             conn.queue(self._outgoing(conn, data, reply))
             conn.closing = reply.close_after
@@ -267,9 +267,6 @@ class Server:
                                "LimitNOFILE=)", conn.peer.describe(), err.strerror, len(self.connections))
             reason = f"no fd free ({err.strerror})"
             return Outgoing(protocol.encode(protocol.error(protocol.INTERNAL_ERROR, reason=reason)), [])
-
-    def _unread_of(self, uid: int) -> int:
-        return sum(c.out_bytes for c in self.connections.values() if c.peer.uid == uid)
 
     def _room_for_fds(self, conn: Session, n: int) -> bool:
         """Bound the region fds sent and not yet received, per connection and per peer uid: past a bound the

@@ -155,6 +155,28 @@ class Session:
         return not (self.attached or self.pending or self.inbox or self.out or self.framer.pending or self.closing)
 
 
+def unread_drops(conn: Session, connections: list[Session], nbytes: int) -> list[tuple[Session, str]]:
+    """The connections to drop, and why, before a reply of ``nbytes`` is queued for ``conn``: ``conn`` itself past
+    its own bound; past its uid's bound, the connections of that uid holding the most unread bytes until the rest
+    fit (``conn`` last), so that a well-behaved connection of the same uid keeps being answered."""
+    def unread(c: Session) -> int:
+        return c.out_bytes + (nbytes if c is conn else 0)
+
+    if unread(conn) > MAX_UNREAD:
+        return [(conn, f"{unread(conn)} bytes of replies it does not read (at most {MAX_UNREAD} a connection)")]
+    same = [c for c in connections if c.peer.uid == conn.peer.uid and (c.out_bytes or c is conn)]
+    drops = []
+    while same and sum(unread(c) for c in same) > MAX_UNREAD_PER_UID:
+        greedy = max(same, key=unread)
+        drops.append((greedy, f"{unread(greedy)} bytes of replies it does not read; uid {conn.peer.uid} has "
+                              f"{sum(unread(c) for c in same)} unread over its connections (at most "
+                              f"{MAX_UNREAD_PER_UID})"))
+        same.remove(greedy)
+        if greedy is conn:
+            break
+    return drops
+
+
 def fd_budget_drops(conn: Session, connections: list[Session], n: int, max_per_uid: int) -> list[tuple[Session, str]]:
     """The connections to drop, and why, before ``n`` more region fds go to ``conn``: ``conn`` itself past its own
     bound; past its uid's bound, the greediest of that uid's connections until the rest fit (``conn`` last)."""
