@@ -13,13 +13,11 @@ changed the same stand-in is attached, so each refusal below is for the one thin
 from __future__ import annotations
 
 import fcntl
-import json
 import os
-import socket
-import threading
 
 import pytest
 
+from fakeserver import FakeServer
 from pled.client import connection
 from pled.client.library import attach
 from pled.daemon import staging
@@ -54,42 +52,6 @@ def memfd_with(data: bytes, seals: int) -> int:
     return fd
 
 
-class StandIn:
-    """A stand-in for pled at ``path`` (see the module's docstring): it answers one Attach with ``params`` and
-    ``fd`` on the reply's first byte, then closes the connection, the listener and its own copy of ``fd``."""
-
-    def __init__(self, path: str, fd: int, params: dict) -> None:
-        self.path, self.fd = path, fd
-        self.reply = protocol.encode(protocol.reply(**params))
-        self.call: dict | None = None
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        self.listener.bind(path)
-        self.listener.listen(1)
-        self.listener.settimeout(10)
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        try:
-            conn, _ = self.listener.accept()
-            with conn:
-                raw = b""
-                while not raw.endswith(b"\0"):
-                    raw += conn.recv(65536) or b"\0"
-                self.call = json.loads(raw[:-1] or b"null")
-                socket.send_fds(conn, [self.reply[:1]], [self.fd])
-                conn.sendall(self.reply[1:])
-        except OSError:
-            pass
-        finally:
-            self.listener.close()
-            os.close(self.fd)
-
-    def join(self) -> None:
-        self.thread.join(10)
-        assert not self.thread.is_alive(), "the stand-in server never finished"
-
-
 def open_fds() -> list[str]:
     """What this process's fds are (the listing's own fd shows as "?")."""
     out = []
@@ -111,7 +73,9 @@ def attach_from_stand_in(tmp_path, data: bytes, seals: int, params: dict):
     or the exception, the fds this process had before, the fds it has once the stand-in is done). The exception is
     still held when the fds are counted, as a caller handling it holds it."""
     before = open_fds()
-    server = StandIn(str(tmp_path / "pled.sock"), memfd_with(data, seals), params)
+    # the stand-in for pled (see the module's docstring) answers one Attach with params and the memfd
+    server = FakeServer(str(tmp_path / "pled.sock"), protocol.encode(protocol.reply(**params))[:-1],
+                        [memfd_with(data, seals)])
     try:
         got = attach("t", socket=server.path, timeout=10, populate=False)
     except connection.ClientError as err:

@@ -15,13 +15,13 @@ import hashlib
 import json
 import logging
 import os
-import socket
 import threading
 import time
 from dataclasses import replace
 
 import pytest
 
+from fakeserver import FakeServer
 from pled.client import connection, held_files, mapped_table
 from pled.client.connection import ClientError, DaemonUnavailable, ProtocolError
 from pled.client.library import attach
@@ -51,52 +51,6 @@ def no_fd_leak():
     while len(after := _fds()) > len(before) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(after) == len(before), sorted(set(after.values()) - set(before.values()))
-
-
-class FakeServer:
-    """Serves one connection at ``path``: reads one call, answers ``reply`` (NUL added) with ``fds`` on its first
-    byte, then closes everything it holds, the fds it sent included. ``drip``: send one byte a second instead,
-    until the client goes away or ``stop`` is set."""
-
-    def __init__(self, path: str, reply: bytes, fds: list[int] = (), drip: bool = False) -> None:
-        self.path, self.reply, self.fds, self.drip = path, reply + b"\0", list(fds), drip
-        self.stop = threading.Event()
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        self.listener.bind(path)
-        self.listener.listen(1)
-        self.listener.settimeout(10)
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        try:
-            conn, _ = self.listener.accept()
-            with conn:
-                call = b""
-                while not call.endswith(b"\0"):
-                    call += conn.recv(65536) or b"\0"
-                if self.fds:
-                    socket.send_fds(conn, [self.reply[:1]], self.fds)
-                else:
-                    conn.sendall(self.reply[:1])
-                if not self.drip:
-                    conn.sendall(self.reply[1:])
-                    return
-                for i in range(1, len(self.reply)):
-                    if self.stop.wait(1.0):
-                        return
-                    conn.sendall(self.reply[i:i + 1])
-        except OSError:  # the client hung up: it is entitled to
-            pass
-        finally:
-            self.listener.close()
-            for fd in self.fds:
-                os.close(fd)
-
-    def join(self) -> None:
-        self.stop.set()
-        self.thread.join(10)
-        assert not self.thread.is_alive()
 
 
 def attach_reply(**over) -> bytes:
