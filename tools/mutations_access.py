@@ -78,10 +78,11 @@ MUTATIONS = [
              (f"{NARROWED}[allow_groups]",)),
     # The bound on one uid's unread replies.
     Mutation("no bound on the replies one uid's connections leave unread", "pled/daemon/session.py",
-             "    while same and sum(unread(c) for c in same) > MAX_UNREAD_PER_UID:", "    while False:",
+             "for c, total in _uid_share_drops(conn, connections, unread, MAX_UNREAD_PER_UID)]",
+             "for c, total in []]",
              (UNREAD,)),
     Mutation("the connection whose reply passes the uid's bound dropped, not the one holding the most",
-             "pled/daemon/session.py", "        greedy = max(same, key=unread)", "        greedy = conn",
+             "pled/daemon/session.py", "        greedy = max(same, key=load)", "        greedy = conn",
              (UNREAD,)),
     Mutation("a connection dropped for its unread replies is dropped unlogged", "pled/daemon/server.py",
              "len(data)):\n                self._drop(victim, why)",

@@ -121,6 +121,7 @@ class State:
     # (table, seam) -> real paths served through that seam and not yet reported
     served: dict[tuple[str, str], set] = field(default_factory=dict)
     reported: set = field(default_factory=set)  # (table, seam) whose every file was reported
+    unviewable: set[str] = field(default_factory=set)  # real paths said to be read from disk (a dtype torch lacks)
 
     def lookup(self, path: str) -> Held | None:
         """The region holding ``path``, if it is a file pled staged and it is unchanged; else None or an error.
@@ -139,9 +140,8 @@ class State:
         problem = held.table.unviewable(held.shard.index)
         if problem is not None:
             with _lock:
-                warned = self.__dict__.setdefault("_unviewable_warned", set())  # kept here: lookup's own state
-                if real not in warned:
-                    warned.add(real)
+                if real not in self.unviewable:
+                    self.unviewable.add(real)
                     emit(logging.WARNING, "pled: %s (table %s): %s; reading it from disk instead", real,
                          held.table.name, problem)
             return None

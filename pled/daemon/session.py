@@ -155,6 +155,21 @@ class Session:
         return not (self.attached or self.pending or self.inbox or self.out or self.framer.pending or self.closing)
 
 
+def _uid_share_drops(conn: Session, connections: list[Session], load: Callable[[Session], int], limit: int,
+                     extra: int = 0) -> list[tuple[Session, int]]:
+    """(connection, its uid's total then): the connections of ``conn``'s uid to drop, the greediest by ``load``
+    first, until their loads and ``extra`` fit under ``limit``; ``conn`` last (once it goes, nothing is sent)."""
+    same = [c for c in connections if c.peer.uid == conn.peer.uid and (load(c) or c is conn)]
+    drops = []
+    while same and (total := sum(map(load, same)) + extra) > limit:
+        greedy = max(same, key=load)
+        drops.append((greedy, total))
+        same.remove(greedy)
+        if greedy is conn:
+            break
+    return drops
+
+
 def unread_drops(conn: Session, connections: list[Session], nbytes: int) -> list[tuple[Session, str]]:
     """The connections to drop, and why, before a reply of ``nbytes`` is queued for ``conn``: ``conn`` itself past
     its own bound; past its uid's bound, the connections of that uid holding the most unread bytes until the rest
@@ -164,17 +179,9 @@ def unread_drops(conn: Session, connections: list[Session], nbytes: int) -> list
 
     if unread(conn) > MAX_UNREAD:
         return [(conn, f"{unread(conn)} bytes of replies it does not read (at most {MAX_UNREAD} a connection)")]
-    same = [c for c in connections if c.peer.uid == conn.peer.uid and (c.out_bytes or c is conn)]
-    drops = []
-    while same and sum(unread(c) for c in same) > MAX_UNREAD_PER_UID:
-        greedy = max(same, key=unread)
-        drops.append((greedy, f"{unread(greedy)} bytes of replies it does not read; uid {conn.peer.uid} has "
-                              f"{sum(unread(c) for c in same)} unread over its connections (at most "
-                              f"{MAX_UNREAD_PER_UID})"))
-        same.remove(greedy)
-        if greedy is conn:
-            break
-    return drops
+    return [(c, f"{unread(c)} bytes of replies it does not read; uid {conn.peer.uid} has {total} unread over its "
+                f"connections (at most {MAX_UNREAD_PER_UID})")
+            for c, total in _uid_share_drops(conn, connections, unread, MAX_UNREAD_PER_UID)]
 
 
 def fd_budget_drops(conn: Session, connections: list[Session], n: int, max_per_uid: int) -> list[tuple[Session, str]]:
@@ -183,13 +190,6 @@ def fd_budget_drops(conn: Session, connections: list[Session], n: int, max_per_u
     mine = conn.fds_in_flight()
     if mine + n > MAX_FDS_PER_CONNECTION:
         return [(conn, f"{mine} table fds sent to it are unread (at most {MAX_FDS_PER_CONNECTION} per connection)")]
-    same = [c for c in connections if c.peer.uid == conn.peer.uid and (c.fds_sent or c.out or c is conn)]
-    drops = []
-    while same and sum(c.fds_in_flight() for c in same) + n > max_per_uid:
-        greedy = max(same, key=lambda c: c.fds_in_flight())
-        drops.append((greedy, f"uid {conn.peer.uid} has {max_per_uid} table fds unread over its connections; this one "
-                              f"holds {greedy.fds_in_flight()}"))
-        same.remove(greedy)
-        if greedy is conn:
-            break
-    return drops
+    return [(c, f"uid {conn.peer.uid} has {max_per_uid} table fds unread over its connections; this one holds "
+                f"{c.fds_in_flight()}")
+            for c, _ in _uid_share_drops(conn, connections, Session.fds_in_flight, max_per_uid, extra=n)]
