@@ -288,8 +288,6 @@ def test_a_same_size_rewrite_that_keeps_its_mtime_is_not_reloaded_and_only_verif
 
 
 @pytest.mark.daemon
-@pytest.mark.xfail(strict=True, reason="a reload refused while planning names the shard's file but not its table "
-                                       "(pled/daemon/planning.py: open_tables lets the SidecarError through as is)")
 def test_a_reload_refused_while_planning_names_the_table(tmp_path, daemon):
     src = {n: tmp_path / f"src-{i}" for i, n in enumerate(("alpha", "bravo"))}
     for d in src.values():
@@ -298,5 +296,5 @@ def test_a_reload_refused_while_planning_names_the_table(tmp_path, daemon):
     (src["bravo"] / "shard_1.safetensors").write_bytes(b"not a safetensors file")
     assert pled.reload() == "reload failed"
     failure = next(line for line in pled.log().splitlines() if "reload failed, nothing changed" in line)
-    assert f"{src['bravo']}/shard_1.safetensors" in failure  # true today
+    assert f"{src['bravo']}/shard_1.safetensors" in failure
     assert "bravo" in failure.replace(str(src["bravo"]), "")  # the table's name, not only its path

@@ -1,6 +1,6 @@
 """Break pled on purpose, one way at a time, and show that a test notices, quickly.
 
-    python tools/mutations.py            # every mutation (a few minutes)
+    python tools/mutations.py            # every mutation, here and in tools/mutations_*.py (make mutations)
     python tools/mutations.py -k groups  # those whose name contains "groups"
     python tools/mutations.py --list
     python tools/mutations.py --check    # only that each mutation's text is still in its file (make lint)
@@ -160,14 +160,23 @@ def pytest(tests: tuple[str, ...], timeout: float) -> tuple[int, float, str]:
     return r.returncode, time.monotonic() - start, r.stdout + r.stderr
 
 
-def main() -> int:
+def every_mutation() -> list[Mutation]:
+    """This file's list and those of the test areas that keep their own (imported here, not at the top: they import
+    this module's Mutation, and this module runs as ``__main__``)."""
+    import mutations_access
+    import mutations_reload
+
+    return [*MUTATIONS, *mutations_access.MUTATIONS, *mutations_reload.MUTATIONS]
+
+
+def main(mutations: list[Mutation] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-k", default="", help="only mutations whose name contains this")
     p.add_argument("--list", action="store_true")
     p.add_argument("--check", action="store_true", help="only check that each mutation's text occurs once in its file")
     p.add_argument("--timeout", type=float, default=600, help="seconds for one pytest run")
     a = p.parse_args()
-    chosen = [m for m in MUTATIONS if a.k.lower() in m.name.lower()]
+    chosen = [m for m in (every_mutation() if mutations is None else mutations) if a.k.lower() in m.name.lower()]
     if a.list:
         for m in chosen:
             print(f"{m.name}: {m.path} -> {' '.join(m.tests)}")

@@ -7,9 +7,8 @@ format and runner).
     python tools/mutations_access.py --list     # and its other options (-k, --timeout)
 
 Each ``old`` is a short piece of one line (or a few short lines), so that re-wrapping the code around it does not
-lose it; tools/mutations.py's runner refuses one that does not occur exactly once. Wiring them into
-tools/mutations.py: import this module inside its ``main()`` (a top-level ``from mutations_access import MUTATIONS``
-there is a circular import when tools/mutations.py runs as ``__main__``).
+lose it; tools/mutations.py's runner refuses one that does not occur exactly once. tools/mutations.py runs
+these with its own (``every_mutation()``).
 """
 from __future__ import annotations
 
@@ -94,5 +93,4 @@ MUTATIONS = [
 if __name__ == "__main__":
     import mutations
 
-    mutations.MUTATIONS[:] = MUTATIONS
-    sys.exit(mutations.main())
+    sys.exit(mutations.main(MUTATIONS))

@@ -4,9 +4,7 @@ exit codes, Status's ``sources`` and gathers at uneven shard boundaries must cat
     python tools/mutations_reload.py            # these alone, through tools/mutations.py's runner
     python tools/mutations_reload.py --list     # and its other options
 
-Wiring them into tools/mutations.py: import this module inside its ``main()`` (or wherever the ``Mutation``
-dataclass is already defined); a top-level ``from mutations_reload import MUTATIONS`` there is a circular import
-when tools/mutations.py runs as ``__main__``.
+tools/mutations.py runs these with its own (``every_mutation()``).
 """
 from __future__ import annotations
 
@@ -56,6 +54,9 @@ MUTATIONS = [
     Mutation("a reload takes a table whose shards' mtimes moved as unchanged", "pled/shared/region.py",
              'replace(s, digest="") for s in self.shards', 'replace(s, digest="", mtime_ns=0) for s in self.shards',
              (RELOAD + "test_a_same_size_rewrite_that_keeps_its_mtime_is_not_reloaded_and_only_verify_finds_it",)),
+    Mutation("a reload refused while opening one table's files does not say which table", "pled/daemon/planning.py",
+             '            e.args = (f"table {clip(t.name)}: {e}",)\n', "",
+             (RELOAD + "test_a_reload_refused_while_planning_names_the_table",)),
     # Gathers at the boundaries of uneven shards.
     Mutation("gather: the first row of a shard taken from the shard before it", "pled/client/gather.py",
              "torch.searchsorted(self._boundaries, ids, right=True, out=shard)",
@@ -70,5 +71,4 @@ MUTATIONS = [
 if __name__ == "__main__":
     import mutations
 
-    mutations.MUTATIONS[:] = MUTATIONS
-    sys.exit(mutations.main())
+    sys.exit(mutations.main(MUTATIONS))

@@ -12,13 +12,20 @@ from pled.daemon import config as config_mod, preflight
 from pled.daemon.config import Config
 from pled.daemon.sidecar import Sidecar, open_table
 from pled.shared import region
-from pled.shared.errors import ConfigError
+from pled.shared.boundary import clip
+from pled.shared.errors import ConfigError, PledError
 
 
 def open_tables(config: Config) -> dict[str, Sidecar]:
     if not config.tables:
         raise ConfigError(config.source, "no [[table]] configured; add one with a name and a path")
-    sidecars = {t.name: open_table(t.path) for t in config.tables}
+    sidecars = {}
+    for t in config.tables:
+        try:
+            sidecars[t.name] = open_table(t.path)
+        except PledError as e:  # its file and problem, and which table (of several a reload may change) it is
+            e.args = (f"table {clip(t.name)}: {e}",)
+            raise
     check_distinct(config, sidecars)
     return sidecars
 
