@@ -298,3 +298,21 @@ def test_a_reload_refused_while_planning_names_the_table(tmp_path, daemon):
     failure = next(line for line in pled.log().splitlines() if "reload failed, nothing changed" in line)
     assert f"{src['bravo']}/shard_1.safetensors" in failure
     assert "bravo" in failure.replace(str(src["bravo"]), "")  # the table's name, not only its path
+
+
+@pytest.mark.daemon
+def test_a_reload_stages_its_changed_tables_as_the_reread_config_says_and_keeps_the_others_as_they_are(tmp_path,
+                                                                                                      daemon):
+    src = {n: tmp_path / f"src-{i}" for i, n in enumerate(("alpha", "bravo"))}
+    for d in src.values():
+        make_sidecar(str(d), "ples_int4", rows=[300, 200])
+    pled = daemon(src, huge_pages="auto")
+    notes = {t["table"]: t["huge_page_note"] for t in client.call(protocol.STATUS, socket=pled.socket)["tables"]}
+    assert not any('huge_pages = "off"' in n for n in notes.values()), notes
+
+    make_sidecar(str(src["bravo"]), "ples_int4", rows=[300, 201])
+    write_config(pled.config, src, socket=pled.socket, headroom_margin=0, huge_pages="off")
+    assert pled.reload() == "reload done"
+    now = {t["table"]: t for t in client.call(protocol.STATUS, socket=pled.socket)["tables"]}
+    assert now["bravo"]["generation"] == 2 and 'huge_pages = "off" in the config' in now["bravo"]["huge_page_note"]
+    assert (now["alpha"]["generation"], now["alpha"]["huge_page_note"]) == (1, notes["alpha"])

@@ -57,6 +57,11 @@ MUTATIONS = [
     Mutation("a reload refused while opening one table's files does not say which table", "pled/daemon/planning.py",
              '            e.args = (f"table {clip(t.name)}: {e}",)\n', "",
              (RELOAD + "test_a_reload_refused_while_planning_names_the_table",)),
+    Mutation("a reload stages its tables with the served config's huge_pages, not the re-read one's",
+             "pled/daemon/reload.py", "self.stager.stage(fresh, self, plan.config)",
+             "self.stager.stage(fresh, self, self.registry.config)",
+             (RELOAD + "test_a_reload_stages_its_changed_tables_as_the_reread_config_says_and_keeps_the_others_as_they_"
+                       "are",)),
     # Gathers at the boundaries of uneven shards.
     Mutation("gather: the first row of a shard taken from the shard before it", "pled/client/gather.py",
              "torch.searchsorted(self._boundaries, ids, right=True, out=shard)",

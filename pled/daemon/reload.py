@@ -120,7 +120,7 @@ class Reloader:
             log.info("reload %s", plan.verdict.message)
         fresh = self.registry.stage_next(plan.fresh)
         if fresh:
-            self.stager.stage(fresh, self, self.registry.config)  # the served config's settings, until the switch
+            self.stager.stage(fresh, self, plan.config)  # copied as the re-read config says (its huge_pages, bandwidth)
         else:
             self.commit()
 
