@@ -144,7 +144,9 @@ def _reload(args) -> int:
         names = result.get(key) or []
         if names:
             say(f"{key}: " + ", ".join(f"{n} (generation {gens[n]})" if n in gens else n for n in names))
-    if not any(result.get(k) for k in ("changed", "added", "removed")):
+    if result.get("settings"):
+        say("settings changed: " + ", ".join(result["settings"]))
+    if not any(result.get(k) for k in ("changed", "added", "removed", "settings")):
         say("nothing changed")
     return 0
 

@@ -310,7 +310,8 @@ def test_a_reload_that_narrows_access_refuses_the_next_connect_and_widening_admi
     def rewrite_and_reload(**keys) -> None:
         write_config(pled.config, {"t": sc}, socket=sock, headroom_margin=0, **keys)
         r = run_pled("reload", "--socket", sock)
-        assert r.returncode == 0 and "unchanged: t" in r.stdout, r.stdout + r.stderr
+        assert r.returncode == 0 and r.stdout.splitlines() == ["unchanged: t", f"settings changed: {key}"], \
+            r.stdout + r.stderr
 
     holder = users(u, v, [])
     assert holder.do("attach", sock) == "attached generation 1"

@@ -48,11 +48,17 @@ class Reload:
     started: float = field(default_factory=time.monotonic)
 
 
-def summary(plan: ReloadPlan, fresh: dict[str, TableState], served: dict[str, TableState]) -> dict:
-    """The io.pled.Reload reply: what changed, was added, removed or left alone, and the new generations."""
+# The settings a reload puts in force (socket and fdstore_max are read only at start; tables are reported by name).
+RELOADED_SETTINGS = ("huge_pages", "headroom_margin", "staging_bandwidth", "allow_uids", "allow_groups")
+
+
+def summary(plan: ReloadPlan, fresh: dict[str, TableState], served: dict[str, TableState], old: Config) -> dict:
+    """The io.pled.Reload reply: what changed, was added, removed or left alone, the new generations, and the
+    settings whose values changed (``old``: the config served until now)."""
     return {
         "changed": sorted(n for n in fresh if n in served), "added": sorted(n for n in fresh if n not in served),
         "removed": sorted(plan.removed), "unchanged": sorted(plan.unchanged),
+        "settings": [k for k in RELOADED_SETTINGS if getattr(plan.config, k) != getattr(old, k)],
         "generations": {n: t.generation for n, t in fresh.items()},
     }
 
@@ -142,7 +148,7 @@ class Reloader:
     def commit(self) -> None:
         """The switch: new attaches get the new generations; the old regions are let go."""
         r, self.current = self.current, None
-        reply = summary(r.plan, dict(self.registry.next), dict(self.registry.tables))
+        reply = summary(r.plan, dict(self.registry.next), dict(self.registry.tables), self.registry.config)
         self.registry.switch(r.plan)
         self.config_changed(self.registry.config)
         log.info("reload done in %.1f s: %s", time.monotonic() - r.started,
