@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench import offload, report, soak, table_gather  # sections 5, 6, 7 of the report, in this order
+from bench import offload, report, soak, status_cli, table_gather  # sections 5-8 of the report, by their numbers
 from pled.daemon import staging
 from pled.daemon.sidecar import open_table
 from pled.generator import make_sidecar
@@ -360,6 +360,7 @@ def main() -> int:
         daemon.wait_ready(timeout=600)
         res["daemon"] = memory(daemon.pid)
         res["attach"] = bench_attach(daemon.socket, ["ples_int4", "ples128"], a.attaches, a.repeats, "ples_int4")
+        res["status_cli"] = status_cli.bench(daemon.socket, str(daemon.config))
         # 4 KiB pages first, huge pages after: staging a huge-page table makes the kernel compact memory,
         # migrating other tables' pages under their mappings, which would disturb the 4 KiB runs.
         res["gathers"] = bench_gathers(gather_cases(d, daemon.socket, "ples_int4", None), a.repeats, a.requests, a.ids)

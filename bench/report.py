@@ -15,8 +15,8 @@ A new benchmark adds its own section and verdicts from its own module, without t
     def my_verdicts(res: dict) -> list[tuple[bool, str]] | None:
         ...
 
-Sections come out in the order they were registered (this module's own first); ``render`` is pure,
-``write`` puts the text in a file.
+Sections come out in the order of the numbers in their headings (``## 8. ...``), whatever order their modules
+were imported in; ``render`` is pure, ``write`` puts the text in a file.
 """
 from __future__ import annotations
 
@@ -89,14 +89,19 @@ def render(res: dict) -> str:
         width = f" of width {t['row_width']}" if t.get("row_width") else ""
         lines.append(f"Table: {t['layout']}, {t['shards']} shards, {res['staging']['bytes'] / GiB:.2f} GiB "
                      f"({t['rows']:,} rows{width}).")
-    for fn in SECTIONS:
-        body = fn(res)
-        if body:
-            lines += [""] + body
+    for body in sorted(filter(None, (fn(res) for fn in SECTIONS)), key=_number):
+        lines += [""] + body
     verdicts = verdict_lines(res)
     if verdicts:
         lines += ["", "## Against the targets", ""] + verdicts
     return "\n".join(lines) + "\n"
+
+
+def _number(body: list[str]) -> float:
+    """A section's place: the N of its heading ("## N. ..."), whatever order the modules were imported in."""
+    heading = next((line for line in body if line.startswith("## ")), "")
+    number = heading[3:].split(".", 1)[0]
+    return int(number) if number.isdigit() else float("inf")
 
 
 def write(res: dict, path: Path) -> None:

@@ -9,17 +9,23 @@ import sys
 
 from pled import __version__
 from pled.daemon import logs
-
-try:
-    from pled.daemon import config as config_mod
-except ImportError as err:  # pled[client] alone: the library and the vLLM plugin, not the command
-    raise SystemExit(f"pled: the pled command needs the daemon's dependencies ({err.name} is missing): "
-                     "pip install 'pled[daemon]'") from None
+from pled.shared import config_file
 from pled.shared.boundary import say
 from pled.shared.errors import EX_CONFIG, EX_INTERRUPTED, EX_NOT_RUNNING, EX_USAGE, PledError
 from pled.shared.layouts import LAYOUTS
 
 log = logging.getLogger("pled")
+
+
+def _load_config(path: str | None):
+    """The config, validated (pydantic: the daemon's dependencies). Only the commands that need the whole config
+    import it: ``pled status`` and the other calls to a running pled read its socket with tomllib alone."""
+    try:
+        from pled.daemon import config as config_mod
+    except ImportError as err:  # pled[client] alone: the library, the vLLM plugin and the calls, not the daemon
+        raise SystemExit(f"pled: this command needs the daemon's dependencies ({err.name} is missing): "
+                         "pip install 'pled[daemon]'") from None
+    return config_mod.load(path)
 
 
 def _inspect(args) -> int:
@@ -55,9 +61,9 @@ def _inspect(args) -> int:
 
 
 def _preflight(args) -> int:
+    config = _load_config(args.config)
     from pled.daemon.planning import open_tables, plan_tables, run_preflight
 
-    config = config_mod.load(args.config)
     verdict = run_preflight(config, plan_tables(open_tables(config)))
     if args.json:
         print(json.dumps(verdict.as_dict(), indent=2))
@@ -69,9 +75,10 @@ def _preflight(args) -> int:
 
 
 def _serve(args) -> int:
+    config = _load_config(args.config)
     from pled.daemon.lifecycle import Daemon
 
-    return Daemon(config_mod.load(args.config)).run()
+    return Daemon(config).run()
 
 
 def _call(args, method: str, command: str) -> tuple[dict | None, int]:
@@ -125,9 +132,9 @@ def _socket_for(args) -> str:
     path = args.socket or os.environ.get(client.ENV_SOCKET)
     if path is None:
         try:
-            path = config_mod.load(args.config).socket
+            path = config_file.socket_of(args.config)
         except PledError:
-            if args.config or os.environ.get(config_mod.ENV_VAR):
+            if args.config or os.environ.get(config_file.ENV_VAR):
                 raise  # a config named on purpose that cannot be read is refused (78), not guessed around
             path = protocol.DEFAULT_SOCKET
     return path
@@ -196,7 +203,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"pled {__version__}")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = p.add_subparsers(dest="command", required=True)
-    config_help = f"config file (default ${config_mod.ENV_VAR} or {config_mod.DEFAULT_PATH})"
+    config_help = f"config file (default ${config_file.ENV_VAR} or {config_file.DEFAULT_PATH})"
     layouts = list(LAYOUTS)
     # The commands that talk to a running daemon find its socket the same way.
     daemon = argparse.ArgumentParser(add_help=False)

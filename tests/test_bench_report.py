@@ -5,7 +5,7 @@ import random
 import re
 from pathlib import Path
 
-import bench.__main__  # noqa: F401  registers sections 5-7 in the report's order, as python -m bench does
+import bench.__main__  # noqa: F401  registers sections 5-8, as python -m bench does
 from bench import report
 
 SAMPLE = Path(__file__).parent / "data" / "benchmarks-sample.json"
@@ -133,3 +133,19 @@ def test_the_soak_reports_breaches_and_byte_mismatches_and_fails_on_them():
     assert "refused, 3 byte mismatches with the source files (target 0)" in text
     res["soak"]["good"]["mismatches"] = res["soak"]["stuck"]["breaches"] = 0
     assert "NOT met: soak" not in report.render(res)
+
+
+def test_sections_come_out_in_the_order_of_their_numbers_whatever_the_import_order():
+    res = sample()
+    v = {"median": 51.0, "min": 40.0, "max": 60.0, "n": 30}
+    res["status_cli"] = {"python -c pass": v, "pled status --socket": v, "pled status -c": v}
+    numbers = [int(line[3:].split(".")[0]) for line in report.render(res).splitlines()
+               if line.startswith("## ") and line[3].isdigit()]
+    assert numbers == sorted(numbers) and 8 in numbers, numbers
+    # ruff's import sorting put soak (7) before table_gather (6): registration order must not decide
+    report.SECTIONS.reverse()
+    try:
+        again = [line for line in report.render(res).splitlines() if line.startswith("## ")]
+    finally:
+        report.SECTIONS.reverse()
+    assert again == [line for line in report.render(res).splitlines() if line.startswith("## ")]

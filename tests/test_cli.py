@@ -1,6 +1,8 @@
 """The pled command in real processes: inspect, preflight, serve, demo, make-sidecar."""
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -115,3 +117,30 @@ def test_demo_runs_and_checks_rows(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("identical to the file: True") == 5
     assert "a writable mapping of the region is refused (EPERM)" in r.stdout
+
+
+def test_the_calls_to_a_running_pled_import_neither_pydantic_nor_the_daemon(tmp_path):
+    """`pled status` (run by a Kubernetes probe every few seconds), `reload` and `verify` read the config for its
+    socket with tomllib alone: no pydantic, nothing of the daemon but its logging."""
+    cfg = write_config(tmp_path / "pled.toml", {}, socket=str(tmp_path / "none.sock"))
+    code = ("import sys; from pled.cli import main; rc = main(sys.argv[1:]); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'pydantic' or m.startswith('pled.daemon'))); "
+            "sys.exit(rc)")
+    for argv in (["status", "-c", str(cfg)], ["status", "--socket", str(tmp_path / "none.sock")],
+                 ["reload", "-c", str(cfg)], ["verify", "-c", str(cfg)]):
+        r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 3 and "not running" in r.stderr, (argv, r.stderr)  # it read the socket, and asked
+        loaded = set(json.loads(r.stdout.replace("'", '"')))
+        assert loaded <= {"pled.daemon", "pled.daemon.logs", "pled.daemon.journal"}, (argv, loaded)
+
+
+def test_status_finds_the_socket_in_the_config_and_refuses_a_socket_no_pled_could_bind(tmp_path):
+    for value, words in (("relative.sock", "must be an absolute path"), ("/" + "s" * 120, "at most 107"),
+                         (7, "expected the path of pled's Unix socket")):
+        cfg = tmp_path / "pled.toml"
+        cfg.write_text(f"socket = {json.dumps(value)}\n")
+        r = run_pled("status", "-c", cfg)
+        assert r.returncode == 78 and str(cfg) in r.stderr and "key socket" in r.stderr and words in r.stderr, r.stderr
+    cfg.write_text(f'socket = "{tmp_path}/elsewhere.sock"\n[[table]]\nname = "t"\npath = "/nowhere"\n')
+    r = run_pled("status", "-c", cfg)
+    assert r.returncode == 3 and f"{tmp_path}/elsewhere.sock" in r.stderr, r.stderr

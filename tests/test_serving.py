@@ -358,6 +358,9 @@ def test_status_command(sidecar, daemon, tmp_path):
         assert r.returncode == 0, r.stderr
         assert "ples_int4" in r.stdout and "ready" in r.stdout and "100%" in r.stdout
         assert "1 client(s) attached" in r.stdout
+        by_config = run_pled("status", "-c", pled.config)  # the socket read from the config: the same answer
+        assert by_config.returncode == 0 and by_config.stdout.splitlines()[1:] == r.stdout.splitlines()[1:], \
+            by_config.stdout + by_config.stderr
         j = json.loads(run_pled("status", "--json", "--socket", pled.socket).stdout)
         assert j["healthy"] and j["tables"][0]["resident_share"] == 1.0 and j["tables"][0]["sealed"]
         assert j["tables"][0]["generation"] == 1 and len(j["tables"][0]["fingerprint"]) == 64

@@ -27,15 +27,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
-from pled.shared.boundary import BoundaryError, check_json_depth_text, clip, read_bounded
+from pled.shared.boundary import BoundaryError, check_json_depth_text, clip
+from pled.shared.config_file import MAX_DEPTH, check_socket_path, read_text, resolve_path  # noqa: F401 (resolve_path)
 from pled.shared.errors import ConfigError
 from pled.shared.protocol import DEFAULT_SOCKET
 from pled.shared.sizes import parse_size
-
-DEFAULT_PATH = "/etc/pled/pled.toml"
-ENV_VAR = "PLED_CONFIG"
-MAX_CONFIG = 1024 * 1024  # a config is a few dozen lines: a bigger file is not one
-MAX_DEPTH = 8
 
 
 class TableConfig(BaseModel):
@@ -123,14 +119,7 @@ class Config(BaseModel):
     @field_validator("socket")
     @classmethod
     def _absolute(cls, value: str) -> str:
-        if "\0" in value:
-            raise ValueError("contains a NUL byte; a socket path cannot")
-        if not value.startswith("/"):
-            raise ValueError(f"{clip(value, 80)!r} must be an absolute path")
-        if len(value.encode()) > 107:  # sun_path is 108 bytes with its terminating NUL
-            raise ValueError(f"{clip(value, 80)!r} is {len(value.encode())} bytes; "
-                             "a Unix socket path may have at most 107")
-        return value
+        return check_socket_path(value)
 
     @field_validator("tables")
     @classmethod
@@ -169,11 +158,6 @@ def _describe(err: ValidationError) -> str:
     return "; ".join(lines)
 
 
-def resolve_path(explicit: str | None = None) -> str:
-    """-c PATH, else $PLED_CONFIG, else /etc/pled/pled.toml."""
-    return explicit or os.environ.get(ENV_VAR) or DEFAULT_PATH
-
-
 def parse(text: str, source: str) -> Config:
     """Validate TOML text; table paths are made absolute against the file's directory."""
     try:
@@ -199,13 +183,6 @@ def parse(text: str, source: str) -> Config:
 
 
 def load(explicit: str | None = None) -> Config:
-    path = os.path.abspath(resolve_path(explicit))  # a reload re-reads it from wherever pled runs
-    if not os.path.lexists(path):
-        raise ConfigError(path, f"no such file; write one (see config/pled.toml) or point -c / ${ENV_VAR} at it")
-    try:
-        text = read_bounded(path, MAX_CONFIG, "config").decode("utf-8")
-    except BoundaryError as err:
-        raise ConfigError(path, f"cannot be read: {err}") from err
-    except UnicodeDecodeError as err:
-        raise ConfigError(path, f"cannot be read: not UTF-8 text ({err.reason} at byte {err.start})") from err
+    """The config file (-c PATH, else $PLED_CONFIG, else /etc/pled/pled.toml; config_file.py), validated."""
+    path, text = read_text(explicit)
     return parse(text, path)
