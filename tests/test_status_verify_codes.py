@@ -3,7 +3,8 @@
 What the codes mean (README's command table, pled/cli.py, pled/verify.py, pled/shared/errors.py):
 
     pled status    0 every table ready and fully resident; 1 a table not ready or not fully resident;
-                   3 pled not running. ``sources`` (in --json) says whether a table's files are still as staged,
+                   3 pled not running, or not answering within --timeout.
+                   With --live (the liveness probe): 0 whenever pled answers, staging or not; 3 otherwise. ``sources`` (in --json) says whether a table's files are still as staged,
                    and does not enter the exit status.
     pled verify    0 every shard of every table (or of the one named) identical to its file; 1 any difference,
                    or a table it cannot attach (not ready); 3 pled not running.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 
 import pytest
 
@@ -163,3 +165,15 @@ def test_status_exits_1_while_one_of_three_tables_is_still_staging(tmp_path, dae
     assert verdicts(v.stdout) == {"alpha": "all shards identical", "bravo": "all shards identical"}
     assert "pled verify: table 'charlie' is still being staged" in v.stderr, v.stderr
     assert one.returncode == 0 and verdicts(one.stdout) == {"alpha": "all shards identical"}, one.stdout
+
+    # Staging is alive; a pled that stopped answering (stopped here by SIGSTOP, as a hung loop would be) is not.
+    live = run_pled("status", "--live", "--socket", pled.socket)
+    assert live.returncode == 0 and status_rows(live.stdout)["charlie"] == ("staging", "1"), live.stdout + live.stderr
+    pled.send_signal(signal.SIGSTOP)
+    try:
+        stuck = run_pled("status", "--live", "--timeout", "1", "--socket", pled.socket)
+        ready = run_pled("status", "--timeout", "1", "--socket", pled.socket)
+    finally:
+        pled.send_signal(signal.SIGCONT)
+    assert stuck.returncode == 3 and "did not answer" in stuck.stderr, stuck.stdout + stuck.stderr
+    assert ready.returncode == 3, ready.stdout + ready.stderr

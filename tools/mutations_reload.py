@@ -62,6 +62,9 @@ MUTATIONS = [
              "self.stager.stage(fresh, self, self.registry.config)",
              (RELOAD + "test_a_reload_stages_its_changed_tables_as_the_reread_config_says_and_keeps_the_others_as_they_"
                        "are",)),
+    Mutation("pled status --live exits 1 while a table stages (a liveness probe would kill a staging pled)",
+             "pled/cli.py", "code = 0 if healthy or args.live else 1", "code = 0 if healthy else 1",
+             (CODES + "test_status_exits_1_while_one_of_three_tables_is_still_staging",)),
     # Gathers at the boundaries of uneven shards.
     Mutation("gather: the first row of a shard taken from the shard before it", "pled/client/gather.py",
              "torch.searchsorted(self._boundaries, ids, right=True, out=shard)",
