@@ -203,7 +203,7 @@ def test_pled_in_a_container_serves_a_host_client(podman, shared_dir):
     name = f"{TAG}-pled"
     models = shared_dir / "ples_int4"  # mounted at the same path: pled's config names it
     mounts = ["-v", f"{shared_dir / 'etc'}:/etc/pled:ro", "-v", f"{models}:{models}:ro"]
-    # As the README runs it: no capabilities, a read-only root, --user 0:<gid> makes <gid> the socket's group.
+    # As docs/operations.md runs it: no capabilities, a read-only root, --user 0:<gid> makes <gid> the socket's group.
     t0 = time.monotonic()
     _run(["podman", "run", "-d", "--name", name, "--network", "none", "--memory", "512m", "--memory-swap", "512m",
           "--cap-drop", "all", "--read-only", "--user", f"0:{group}", *mounts, "-v", f"{run}:/run/pled", PLED_IMAGE],
@@ -220,7 +220,7 @@ def test_pled_in_a_container_serves_a_host_client(podman, shared_dir):
         expected = _digest(held)
         with client.attach("t", socket=sock) as again:  # what the host reads matches the sidecar on disk
             assert _digest(again) == expected
-        # pled in its own PID namespace: the host client is counted, shown as pid 0 with no command (README)
+        # pled in its own PID namespace: the host client is counted, shown as pid 0 with no command (docs/operations.md)
         st = json.loads(_run(["podman", "exec", name, "pled", "status", "--json", "-c", "/etc/pled/pled.toml"],
                              env).stdout)
         assert [(c["pid"], c["command"], c["tables"]) for c in st["clients"]] == [(0, "?", ["t"])], st
@@ -293,8 +293,8 @@ def test_pled_on_the_host_serves_a_client_in_the_vllm_image(podman, daemon, shar
     with client.attach("t", socket=pled.socket) as t:
         expected = hashlib.sha256(t.tensors["shard_1/weight_i4"].numpy().tobytes()).hexdigest()
 
-    # The README's run line: the socket directory read-only, PLED_SOCKET, the group by number, the models at the
-    # same path; a non-root user, admitted through the group.
+    # The run line in docs/operations.md: the socket directory read-only, PLED_SOCKET, the group by number, the
+    # models at the same path; a non-root user, admitted through the group.
     proc = subprocess.Popen(
         ["podman", "run", "--rm", "-i", "--name", f"{TAG}-vllm", "--network", "none", "--user", "4321:4321",
          "--group-add", str(group), "-v", f"{run}:/run/pled:ro", "-e", "PLED_SOCKET=/run/pled/pled.sock",

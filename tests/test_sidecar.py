@@ -38,7 +38,7 @@ def test_layout_detected_and_bytes_exact(sidecar, layout):
     # The region holds each file at a 2 MiB boundary after a 2 MiB header block: nothing estimated.
     m = region.plan(layout, s)
     assert m.region_bytes == MiB2 + sum(-(-os.path.getsize(f) // MiB2) * MiB2 for f in files)
-    # Payload per row, from the README's layout table: fp8 160+4, int4 80+20, nvfp4 80+10 (+4 per shard).
+    # Payload per row, from the layout table in docs/operations.md: fp8 160+4, int4 80+20, nvfp4 80+10 (+4 per shard).
     per_row = {"ples_fp8": 164, "ples_int4": 100, "ples_nvfp4": 90}[layout]
     payload = sum(t.nbytes for sh in s.shards for t in sh.header.tensors)
     assert payload == 3000 * per_row + (12 if layout == "ples_nvfp4" else 0)
