@@ -12,7 +12,7 @@ import time
 
 from pled import client
 from pled.shared import protocol
-from pled.shared.boundary import say
+from pled.shared.boundary import BoundaryError, open_regular, say
 from pled.shared.digests import hash_bytes
 from pled.shared.errors import EX_NOT_RUNNING
 from pled.shared.sizes import gib, rate
@@ -46,9 +46,13 @@ def verify_shard(table: client.Table, index: int, out=sys.stdout) -> bool:
                       f"({got[:23]}... != {shard.digest[:23]}...)", file=out)
                 return False
         try:
-            fd = os.open(shard.path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            say(f"{prefix} the source file is gone; the region still holds generation {table.generation}", file=out)
+            fd = open_regular(shard.path)  # a FIFO or a device put in its place is refused, never waited on
+        except BoundaryError as err:
+            if isinstance(err.__cause__, FileNotFoundError):
+                say(f"{prefix} the source file is gone; the region still holds generation {table.generation}",
+                    file=out)
+            else:
+                say(f"{prefix} cannot be compared: the source {err}", file=out)
             return False
         start = time.perf_counter()
         try:
@@ -80,17 +84,19 @@ def verify_shard(table: client.Table, index: int, out=sys.stdout) -> bool:
 
 
 def verify(socket: str, table: str | None = None, out=sys.stdout) -> int:
+    """Every table (or ``table``), each to its end whatever another one gave: 0 all identical, 1 any difference or
+    a table that could not be verified (each named on stderr), 3 pled not running."""
     try:
         names = [table] if table else [t["table"] for t in client.call(protocol.STATUS, socket=socket)["tables"]]
         ok = True
         for name in names:
-            with client.attach(name, socket=socket, populate=False) as t:
-                say(f"table {name} generation {t.generation}: {len(t.shards)} shards, "
-                    f"{gib(t.manifest.source_bytes)}", file=out)
-                results = [verify_shard(t, i, out) for i in range(len(t.shards))]
-                bad = results.count(False)
-                say(f"table {name}: {'all shards identical' if not bad else f'{bad} shard(s) differ'}", file=out)
-                ok = ok and not bad
+            try:
+                ok = _verify_table(socket, name, out) and ok
+            except client.DaemonUnavailable:
+                raise
+            except (client.ClientError, OSError) as err:  # this table: not ready, gone, a file it cannot read
+                say(_why(err), file=sys.stderr)
+                ok = False
         return 0 if ok else 1
     except client.DaemonUnavailable as err:
         say(f"pled verify: {err}", file=sys.stderr)
@@ -98,10 +104,21 @@ def verify(socket: str, table: str | None = None, out=sys.stdout) -> int:
     except client.ClientError as err:
         say(f"pled verify: {err}", file=sys.stderr)
         return 1
-    except PermissionError as err:
-        say(f"pled verify: cannot read {err.filename} ({err.strerror}); run it as a user who may read the "
-              "table's source files (root, or pled's user)", file=sys.stderr)
-        return 1
-    except OSError as err:
-        say(f"pled verify: {err.filename or 'a source file'}: {err.strerror or err}", file=sys.stderr)
-        return 1
+
+
+def _verify_table(socket: str, name: str, out) -> bool:
+    with client.attach(name, socket=socket, populate=False) as t:
+        say(f"table {name} generation {t.generation}: {len(t.shards)} shards, {gib(t.manifest.source_bytes)}", file=out)
+        results = [verify_shard(t, i, out) for i in range(len(t.shards))]
+        bad = results.count(False)
+        say(f"table {name}: {'all shards identical' if not bad else f'{bad} shard(s) differ'}", file=out)
+        return not bad
+
+
+def _why(err: BaseException) -> str:
+    if isinstance(err, PermissionError):
+        return (f"pled verify: cannot read {err.filename} ({err.strerror}); run it as a user who may read the "
+                "table's source files (root, or pled's user)")
+    if isinstance(err, OSError):
+        return f"pled verify: {err.filename or 'a source file'}: {err.strerror or err}"
+    return f"pled verify: {err}"

@@ -3,11 +3,12 @@
 What the codes mean (README's command table, pled/cli.py, pled/verify.py, pled/shared/errors.py):
 
     pled status    0 every table ready and fully resident; 1 a table not ready or not fully resident;
-                   3 pled not running, or not answering within --timeout.
-                   With --live (the liveness probe): 0 whenever pled answers, staging or not; 3 otherwise. ``sources`` (in --json) says whether a table's files are still as staged,
-                   and does not enter the exit status.
+                   3 pled not running, or not answering within --timeout. With --live (the liveness probe):
+                   0 whenever pled answers, staging or not; 3 otherwise. ``sources`` (in --json) says whether a
+                   table's files are still as staged, and does not enter the exit status.
     pled verify    0 every shard of every table (or of the one named) identical to its file; 1 any difference,
-                   or a table it cannot attach (not ready); 3 pled not running.
+                   a source it cannot compare, or a table it cannot attach (not ready), each named, the other
+                   tables still verified; 3 pled not running.
 
 ``sources`` compares each shard's size and mtime with those it was staged from; `pled verify` compares the bytes.
 """
@@ -177,3 +178,19 @@ def test_status_exits_1_while_one_of_three_tables_is_still_staging(tmp_path, dae
         pled.send_signal(signal.SIGCONT)
     assert stuck.returncode == 3 and "did not answer" in stuck.stderr, stuck.stdout + stuck.stderr
     assert ready.returncode == 3, ready.stdout + ready.stderr
+
+
+@pytest.mark.daemon
+def test_verify_goes_on_past_a_source_it_cannot_compare_and_names_it(tmp_path, daemon):
+    """The first table's first source file is replaced by a FIFO (opened plainly, it would block pled verify
+    until a writer came): that shard is named and counted, and every other shard of every table still compared."""
+    src = three_tables(tmp_path)
+    pled = daemon(src)
+    shard = src["alpha"] / "shard_0.safetensors"
+    shard.unlink()
+    os.mkfifo(shard)
+    v = run_pled("verify", "--socket", pled.socket, timeout=60)
+    assert v.returncode == 1, v.stdout + v.stderr
+    assert "[1/2] alpha/shard_0.safetensors: cannot be compared: the source is a FIFO, not a regular file" in v.stdout
+    assert verdicts(v.stdout) == {"alpha": "1 shard(s) differ", "bravo": "all shards identical",
+                                  "charlie": "all shards identical"}, v.stdout
