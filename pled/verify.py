@@ -48,6 +48,8 @@ def verify_shard(table: client.Table, index: int, out=sys.stdout) -> bool:
         try:
             fd = open_regular(shard.path)  # a FIFO or a device put in its place is refused, never waited on
         except BoundaryError as err:
+            if isinstance(err.__cause__, PermissionError):
+                raise err.__cause__ from None  # the run's, not this shard's: said once, with what to do
             if isinstance(err.__cause__, FileNotFoundError):
                 say(f"{prefix} the source file is gone; the region still holds generation {table.generation}",
                     file=out)
