@@ -101,7 +101,12 @@ def _status(args) -> int:
         return failed
     healthy = all(t["state"] == "ready" and t.get("resident_share", 0) >= protocol.FULLY_RESIDENT for t in st["tables"])
     code = 0 if healthy or args.live else 1  # --live: it answered in time, staging or not
-    if args.json:
+    if args.format == "prometheus":  # for a scraper: the figures say the health, so any answer is a success
+        from pled.shared import metrics
+
+        sys.stdout.buffer.write(metrics.render(st))
+        return 0
+    if args.json or args.format == "json":
         print(json.dumps({**st, "healthy": healthy}, indent=2))
         return code
     up = int(st["uptime_seconds"])
@@ -226,7 +231,9 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_serve)
 
     s = sub.add_parser("status", parents=[daemon], help="what the running daemon holds, and who is attached")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="the same as --format json")
+    s.add_argument("--format", choices=["text", "json", "prometheus"], default="text",
+                   help="prometheus: the metrics pled writes to metrics_file, on stdout (exit 0 whenever pled answers)")
     s.add_argument("--timeout", type=float, default=5.0)
     s.add_argument("--live", action="store_true",
                    help="exit 0 whenever pled answers within --timeout, staging or not; 3 when it does not "

@@ -3,14 +3,20 @@
 Reads each source file (dropping its pages behind it, as staging does) and compares it with the
 region the daemon serves; also re-hashes the region and compares it with the digest recorded
 when it was staged. Exit 0 when everything matches, 1 on any difference, 3 when pled is not running.
+
+Run under journald (by a unit or a timer: its stderr is the journal), a table that differs is also a journal entry
+with the "verify differs" MESSAGE_ID and the table's PLED_TABLE and PLED_GENERATION (the daemon itself never learns
+of a verify); in a terminal, what is printed is all.
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
 
 from pled import client
+from pled.daemon import journal, logs
 from pled.shared import protocol
 from pled.shared.boundary import BoundaryError, open_regular, say
 from pled.shared.digests import hash_bytes
@@ -18,6 +24,8 @@ from pled.shared.errors import EX_NOT_RUNNING
 from pled.shared.sizes import gib, rate
 
 CHUNK = 16 * 1024 * 1024
+
+log = logging.getLogger(__name__)
 
 
 def _first_difference(a: memoryview, b: bytes) -> int:
@@ -114,6 +122,9 @@ def _verify_table(socket: str, name: str, out) -> bool:
         results = [verify_shard(t, i, out) for i in range(len(t.shards))]
         bad = results.count(False)
         say(f"table {name}: {'all shards identical' if not bad else f'{bad} shard(s) differ'}", file=out)
+        if bad and logs.journal_socket() is not None:
+            log.warning("pled verify: table %s generation %d: %d shard(s) differ from its source files", name,
+                        t.generation, bad, extra=journal.fields("verify_differs", table=name, generation=t.generation))
         return not bad
 
 

@@ -20,7 +20,8 @@ status). Tests mark what they need (tests/conftest.py); a test that starts pled 
 fails here, so `make test-fast` never starts one.
 
 Also here: ``run_pled`` (one pled command to its end), ``NotifySocket`` (a notify socket bound as systemd binds
-its own), ``wait_until`` (poll a condition with a deadline), ``unused_gid``, ``require_fuse``.
+its own), ``JournalSocket`` (journald's native socket, its entries parsed), ``wait_until`` (poll a condition with a
+deadline), ``unused_gid``, ``require_fuse``.
 """
 from __future__ import annotations
 
@@ -390,3 +391,93 @@ class NotifySocket:
                     os.close(fd)
                 except OSError:
                     pass
+
+
+# -- journald's native socket -----------------------------------------------------------------------------------
+
+def parse_journal_entry(data: bytes) -> dict[str, list[str]]:
+    """One entry of the journal's native protocol (https://systemd.io/JOURNAL_NATIVE_PROTOCOL/), read as journald
+    reads it: ``KEY=value`` lines, and ``KEY``, a newline, a 64-bit little-endian length, that many bytes, a newline.
+    Each key's values in order (a field may repeat). An AssertionError for anything else."""
+    entry: dict[str, list[str]] = {}
+    i = 0
+    while i < len(data):
+        nl = data.index(b"\n", i)
+        line = data[i:nl]
+        if b"=" in line:
+            key, _, value = line.partition(b"=")
+            i = nl + 1
+        else:
+            key = line
+            (n,) = struct.unpack("<Q", data[nl + 1:nl + 9])
+            value = data[nl + 9:nl + 9 + n]
+            assert len(value) == n and data[nl + 9 + n:nl + 10 + n] == b"\n", f"a bad binary field {key!r}: {data!r}"
+            i = nl + 10 + n
+        assert key and not key.startswith(b"_") and key.strip(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_") == b"", \
+            f"a bad key {key!r}"
+        entry.setdefault(key.decode(), []).append(value.decode())
+    return entry
+
+
+class JournalSocket:
+    """Stands in for journald's native socket: a datagram socket bound at ``path`` (pled sends there where
+    PLED_JOURNAL_SOCKET names it). A thread reads it (unless ``read=False``: then the queue fills, as with a
+    journald that does not keep up, until ``start()``): ``entries`` holds each entry parsed, in arrival order;
+    an entry passed as a memfd (SCM_RIGHTS) is read from the fd, and ``sealed`` records its seals."""
+
+    def __init__(self, path: Path | str, read: bool = True):
+        self.path = str(path)
+        self.sock = socket_mod.socket(socket_mod.AF_UNIX, socket_mod.SOCK_DGRAM)
+        self.sock.bind(self.path)
+        self.sock.settimeout(0.2)
+        self.entries: list[dict[str, list[str]]] = []
+        self.sealed: list[int | None] = []  # per entry: F_GET_SEALS of the memfd it came in, None for a datagram
+        self.errors: list[str] = []
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        if read:
+            self.start()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self):
+        while not self._stop:
+            try:
+                data, ancdata, _, _ = self.sock.recvmsg(1 << 20, socket_mod.CMSG_SPACE(4))
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            seals = None
+            try:
+                for level, kind, payload in ancdata:
+                    if level == socket_mod.SOL_SOCKET and kind == socket_mod.SCM_RIGHTS:
+                        (fd,) = struct.unpack("i", payload[:4])
+                        try:
+                            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+                            data = os.pread(fd, os.fstat(fd).st_size, 0)
+                        finally:
+                            os.close(fd)
+                self.entries.append(parse_journal_entry(data))
+                self.sealed.append(seals)
+            except Exception as err:  # an assert here would only end this thread
+                self.errors.append(f"{type(err).__name__}: {err}: {data[:200]!r}")
+
+    def with_id(self, message_id: str) -> list[dict[str, list[str]]]:
+        if self.errors:
+            raise AssertionError("; ".join(self.errors))
+        return [e for e in list(self.entries) if e.get("MESSAGE_ID") == [message_id]]
+
+    def wait_for(self, message_id: str, timeout: float = 60, count: int = 1) -> dict[str, list[str]]:
+        """Until ``count`` entries with that MESSAGE_ID have arrived: the last of them."""
+        return wait_until(lambda: self.with_id(message_id)[count - 1:], timeout,
+                          message=lambda: f"no entry {message_id} (x{count}) among "
+                                          f"{[e.get('MESSAGE') for e in self.entries]}")[0]
+
+    def close(self):
+        self._stop = True
+        if self._thread is not None:
+            self._thread.join()
+        self.sock.close()

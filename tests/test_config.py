@@ -27,7 +27,12 @@ def test_relative_table_path_is_taken_from_the_config_directory(tmp_path):
     "text, key, words",
     [
         ("sokcet = '/run/x'", "sokcet", "unknown key"),
-        ("huge_pages = 'yes'", "huge_pages", "'auto' or 'off'"),
+        ("huge_pages = 'yes'", "huge_pages", "'prefer-hugetlb', 'hugetlb' or 'off'"),
+        ("huge_page_size = '2 MB'", "huge_page_size", "is not a page size; write it as \"2M\" or \"1G\""),
+        ("numa = 'everywhere'", "numa", "\"interleave\", \"local\" or a list of node numbers"),
+        ("numa = []", "numa", "an empty list of nodes"),
+        ("[[table]]\nname = 'a'\npath = '/x'\nhuge_pages = 'on'", "table[0].huge_pages", "'hugetlb' or 'off'"),
+        ("[[table]]\nname = 'a'\npath = '/x'\nnuma = [1, 1]", "table[0].numa", "distinct NUMA node numbers"),
         ("headroom_margin = 'lots'", "headroom_margin", "not a size"),
         ("headroom_margin = -1", "headroom_margin", "negative"),
         ("socket = 'relative.sock'", "socket", "absolute"),

@@ -24,6 +24,7 @@ from pled.shared.sizes import parse_size
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 K8S = DEPLOY / "kubernetes"
 MiB = 1024**2
+SLOW_DISK = 100e6  # bytes/s: the slow disk the startup probe's budget is sized for
 PLED_OWN_MEMORY = 64 * MiB  # pled's RSS when its preflight runs: 41 MiB measured ("ready:" log line)
 
 
@@ -164,19 +165,81 @@ def test_the_daemonset_memory_limit_follows_the_preflight_formula(tmp_path):
     config = config_mod.load(str(tmp_path / "pled.toml"))  # the ConfigMap is a valid pled config
     assert config.socket == "/run/pled/pled.sock" and config.allow_gids == {2001}
     pod = _kind("DaemonSet")["spec"]["template"]["spec"]
-    (container,) = pod["containers"]
+    container = next(c for c in pod["containers"] if c["name"] == "pled")
     res = container["resources"]
     limit = parse_size(res["limits"]["memory"] + "B")  # "31Gi" -> "31GiB"
     assert res["requests"] == res["limits"]  # Guaranteed QoS
     needed = region_bytes + config.headroom_margin + PLED_OWN_MEMORY
     assert needed <= limit < needed + 1024 * MiB, (needed, limit)
     assert pod["securityContext"]["runAsGroup"] == 2001
+    # The startup probe waits as long as staging this region from a slow disk (100 MB/s) takes.
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= region_bytes / SLOW_DISK
+    # The metrics file is in the volume the pod's metrics container serves.
+    metrics = next(c for c in pod["containers"] if c["name"] == "metrics")
+    served = next(a.split("=", 1)[1] for a in metrics["args"] if a.startswith("--collector.textfile.directory="))
+    mounts = {c["name"]: {m["name"]: m for m in c["volumeMounts"]} for c in (container, metrics)}
+    assert os.path.dirname(config.metrics_file) == served == mounts["pled"]["metrics"]["mountPath"] \
+        == mounts["metrics"]["metrics"]["mountPath"] and mounts["metrics"]["metrics"]["readOnly"]
+    annotations = _kind("DaemonSet")["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/port"] == str(metrics["ports"][0]["containerPort"])
 
 
-def test_readiness_is_pled_status_and_vllm_waits_for_it():
+def _patched(base: dict, patch: dict) -> dict:
+    """A strategic-merge patch as kustomize applies these: maps merged key by key, containers matched by name."""
+    out = dict(base)
+    for key, value in patch.items():
+        if key == "containers":
+            by_name = {c["name"]: c for c in value}
+            out[key] = [_patched(c, by_name[c["name"]]) if c["name"] in by_name else c for c in base[key]]
+        elif key == "resources" or not isinstance(value, dict) or not isinstance(base.get(key), dict):
+            out[key] = value  # resources: the patch says all of them
+        else:
+            out[key] = _patched(base[key], value)
+    return out
+
+
+def test_the_hugepages_overlay_moves_the_table_from_the_memory_limit_to_hugepages_2mi(tmp_path):
+    """deploy/kubernetes/hugepages: kustomize's patches applied to the base, valid manifests, a config pled accepts
+    asking for hugetlb, and limits that follow the region: hugepages-2Mi holds it in whole pages, memory the rest."""
+    overlay = K8S / "hugepages"
+    kustomization = yaml.safe_load((overlay / "kustomization.yaml").read_text())
+    assert sorted(p["path"] for p in kustomization["patches"]) == ["pled-config.yaml", "pled-daemonset.yaml"]
+    docs = {}
+    for patch_file in ("pled-config.yaml", "pled-daemonset.yaml"):
+        (patch,) = _documents(overlay / patch_file)
+        merged = _patched(_kind(patch["kind"]), patch)
+        kubernetes_validate.validate(merged, kubernetes_validate.latest_version(), strict=True)
+        docs[patch["kind"]] = merged
+    (tmp_path / "pled.toml").write_text(docs["ConfigMap"]["data"]["pled.toml"])
+    config = config_mod.load(str(tmp_path / "pled.toml"))
+    assert (config.huge_pages, config.huge_page_size) == ("hugetlb", "2M")
+    pled = next(c for c in docs["DaemonSet"]["spec"]["template"]["spec"]["containers"] if c["name"] == "pled")
+    res = pled["resources"]
+    assert res["requests"] == res["limits"]
+    region_bytes = (128 * 240 + 2) * MiB  # the published ples_int4 region (the memory-limit test derives it)
+    huge = parse_size(res["limits"]["hugepages-2Mi"] + "B")
+    assert huge == region_bytes and huge % (2 * MiB) == 0
+    memory = parse_size(res["limits"]["memory"] + "B")
+    needed = config.headroom_margin + PLED_OWN_MEMORY + 240 * MiB  # + about one shard of page cache while staging
+    assert needed <= memory < needed + 512 * MiB, (needed, memory)
+    metrics = next(c for c in docs["DaemonSet"]["spec"]["template"]["spec"]["containers"] if c["name"] == "metrics")
+    assert metrics == next(c for c in _kind("DaemonSet")["spec"]["template"]["spec"]["containers"]
+                           if c["name"] == "metrics")  # the patch left the other container alone
+
+
+def test_the_probes_tell_staging_from_stuck_and_vllm_waits_for_ready():
+    """Startup and readiness: `pled status` (0 only when every table is ready and resident); liveness:
+    `pled status --live` (0 whenever pled answers, staging included); tests/test_status_verify_codes.py runs both
+    against a pled that stages and one that stopped answering."""
     pod = _kind("DaemonSet")["spec"]["template"]["spec"]
-    (pled,) = pod["containers"]
-    assert pled["readinessProbe"]["exec"]["command"][:2] == ["pled", "status"]
+    pled = next(c for c in pod["containers"] if c["name"] == "pled")
+    probes = {kind: pled[kind]["exec"]["command"] for kind in ("startupProbe", "readinessProbe", "livenessProbe")}
+    assert all(cmd[:2] == ["pled", "status"] for cmd in probes.values()), probes
+    assert "--live" in probes["livenessProbe"] and not any("--live" in probes[k] for k in ("startupProbe",
+                                                                                           "readinessProbe"))
+    for kind, cmd in probes.items():  # pled gives up (exit 3) before kubelet counts the probe as timed out
+        assert float(cmd[cmd.index("--timeout") + 1]) < pled[kind]["timeoutSeconds"], kind
     assert "preStop" in pled["lifecycle"] and pod["terminationGracePeriodSeconds"] >= 30
     assert pod["nodeSelector"] == {"pled-tables": "ples_int4"}
     vllm = _kind("Deployment")["spec"]["template"]["spec"]

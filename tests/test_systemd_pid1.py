@@ -14,7 +14,10 @@ sysinit.target ran), so it runs here fenced in:
   or under /mnt/keep for those a service's own PrivateTmp=/PrivateDevices= would hide (a checkout under /tmp);
   the services run as users pled and vllm-test, as installed;
 - no systemd-run; the ExecStartPre= that writes shmem_enabled is replaced in the test's copy by one that only
-  records the uid it ran as (the "+" prefix is what is tested; the host's sysfs is never touched).
+  records the uid it ran as (the "+" prefix is what is tested; the host's sysfs is never touched);
+- systemd-journald from the host's units, started by that PID 1 with its native and stream sockets only (no /dev/log,
+  no audit socket), its journal in the namespace's own /run; pled logs to it as under any systemd, and the test reads
+  pled's log with journalctl inside.
 Afterwards the test checks that a sentinel file in the host's /tmp, the host's sysctls, its THP settings, its
 hostname and its user database are unchanged.
 
@@ -23,6 +26,7 @@ pled.service with its whole sandbox, and the vLLM drop-in on a stand-in vllm.ser
 attaches and holds a table. `systemctl restart pled` and `systemctl stop pled` must leave the stand-in running with
 its mapping readable, and the restarted pled must adopt the stored table without copying a byte.
 """
+import json
 import os
 import re
 import shutil
@@ -35,6 +39,7 @@ from pathlib import Path
 import pytest
 
 from harness import write_config
+from pled.daemon.journal import MESSAGE_IDS
 from pled.generator import make_sidecar
 
 pytestmark = [pytest.mark.skipif(os.environ.get("PLED_TEST_SYSTEMD") != "1",
@@ -42,6 +47,8 @@ pytestmark = [pytest.mark.skipif(os.environ.get("PLED_TEST_SYSTEMD") != "1",
               pytest.mark.daemon, pytest.mark.root, pytest.mark.slow]
 
 SYSTEMD = "/lib/systemd/systemd"
+HOST_UNITS = Path("/lib/systemd/system")
+JOURNALD_SOCKETS = "Sockets=systemd-journald.socket systemd-journald-dev-log.socket systemd-journald-audit.socket\n"
 CGROUP_V1 = Path("/sys/fs/cgroup/systemd")
 CHECKOUT = Path(__file__).absolute().parent.parent
 UNITS = CHECKOUT / "units"
@@ -131,10 +138,16 @@ def write_test_units(units: Path, testdir: str, private_users: bool = False) -> 
     text = re.sub(r"^ExecStartPre=-\+.*\n", "ExecStartPre=-+/bin/sh -c 'id -u > /run/pled-prestart-uid'\n", text,
                   flags=re.M)
     text = text.replace("[Unit]\n", "[Unit]\nDefaultDependencies=no\n", 1)
-    text = text.replace("[Service]\n", f"[Service]\nStandardOutput=append:{testdir}/pled.log\n"
-                                       f"StandardError=append:{testdir}/pled.log\nSlice=-.slice\n"
-                                       f"{run_from_checkout}", 1)
+    # Its output goes to the journal, as the shipped unit's does (JOURNAL_STREAM: pled writes its native entries).
+    text = text.replace("[Service]\n", f"[Service]\nSlice=-.slice\n{run_from_checkout}", 1)
     (units / "pled.service").write_text(text)
+    # systemd-journald as the host runs it, with only its native and stream sockets.
+    shutil.copy(HOST_UNITS / "systemd-journald.socket", units / "systemd-journald.socket")
+    journald = (HOST_UNITS / "systemd-journald.service").read_text()
+    assert JOURNALD_SOCKETS in journald
+    journald = journald.replace(JOURNALD_SOCKETS, "Sockets=systemd-journald.socket\n")
+    (units / "systemd-journald.service").write_text(re.sub(r"^After=.*\n", "After=systemd-journald.socket\n", journald,
+                                                           flags=re.M))
     (units / "vllm.service").write_text(
         "[Unit]\nDescription=stand-in vLLM\nDefaultDependencies=no\n"
         f"[Service]\nUser=vllm-test\nExecStart={python} {testdir}/standin.py\n{run_from_checkout}"
@@ -142,7 +155,7 @@ def write_test_units(units: Path, testdir: str, private_users: bool = False) -> 
     shutil.copytree(UNITS / "vllm.service.d", units / "vllm.service.d")  # the shipped drop-in, unchanged
     # Only vLLM is wanted: its drop-in must pull pled in.
     (units / "pled-test.target").write_text("[Unit]\nDescription=pled test\nDefaultDependencies=no\n"
-                                            "Wants=vllm.service\n")
+                                            "Wants=systemd-journald.socket systemd-journald.service vllm.service\n")
     sysusers = units.parent / "sysusers"
     sysusers.mkdir()
     shutil.copy(UNITS / "pled.sysusers.conf", sysusers / "pled.conf")
@@ -244,6 +257,9 @@ class Pid1:
     def systemctl(self, *args: str) -> str:
         return self.inside("systemctl", *args)
 
+    def journalctl(self, *args: str) -> str:
+        return self.inside("journalctl", "--no-pager", *args)
+
     def show(self, *props: str, unit: str = "pled.service") -> dict[str, str]:
         out = self.systemctl("show", unit, *(f"--property={p}" for p in props))
         return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
@@ -285,6 +301,24 @@ def wait_line(path: Path, prefix: str, after: int = 0, timeout: float = 60) -> s
 def next_check(path: Path) -> str:
     """The stand-in's next digest of its mapping, read after this call."""
     return wait_line(path, "check ", after=len(path.read_text().splitlines())).split()[2]
+
+
+def pled_log(pid1: Pid1, until: str = "ready:", count: int = 1, timeout: float = 30) -> str:
+    """pled's log as the namespace's journald holds it (`journalctl -u pled -o cat`), once ``until`` is in it
+    ``count`` times: journald takes each entry in its own time."""
+    deadline = time.monotonic() + timeout
+    while True:
+        log = pid1.journalctl("-u", "pled.service", "-o", "cat")
+        if log.count(until) >= count:
+            return log
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{until!r} (x{count}) not in pled's journal:\n{log[-3000:]}")
+        time.sleep(0.2)
+
+
+def journal_entries(pid1: Pid1, *matches: str) -> list[dict]:
+    """`journalctl -o json` with ``matches`` inside: one dict per entry (a field that repeats: a list)."""
+    return [json.loads(line) for line in pid1.journalctl(*matches, "-o", "json").splitlines()]
 
 
 def proc_status(pid1: Pid1, pid: str) -> dict[str, str]:
@@ -373,10 +407,22 @@ def test_pled_service_under_systemd_pid1(fence, private_users):
     assert pid1.inside("cat", "/run/pled-prestart-uid").strip() == "0"  # ExecStartPre=+ kept its privilege
     sock = pid1.inside("stat", "-c", "%A %U %G", "/run/pled/pled.sock", "/run/pled").split("\n")
     assert sock[:2] == ["srw-rw---- pled pled", "drwxr-x--- pled pled"]
-    log = (testdir / "pled.log").read_text()
     # ProtectProc=invisible: pled cannot see vLLM's process; the kernel's credentials still admit it. In a
     # user namespace of its own (PrivateUsers=yes) vLLM's uid shows as 65534, and group pled still admits it.
-    assert f"uid {65534 if private_users else ids['vllm-test']} (?)" in log and "refused" not in log
+    client_uid = str(65534 if private_users else ids["vllm-test"])
+    log = pled_log(pid1, f"uid {client_uid} (?)")
+    assert "refused" not in log
+    # pled's native entries, as journald keeps them: `journalctl -u pled PLED_TABLE=ples_int4` tells the table's story.
+    entries = journal_entries(pid1, "-u", "pled", "PLED_TABLE=ples_int4")
+    by_id = {e["MESSAGE_ID"]: e for e in entries if "MESSAGE_ID" in e}
+    ready, attached = by_id[MESSAGE_IDS["ready"]], by_id[MESSAGE_IDS["client_attached"]]
+    assert ready["MESSAGE"].startswith("ready: 1 table(s)") and ready["PRIORITY"] == "6", ready
+    assert (ready["_SYSTEMD_UNIT"], ready["SYSLOG_IDENTIFIER"], ready["_PID"]) == ("pled.service", "pled",
+                                                                                first["MainPID"]), ready
+    assert {k: attached.get(k) for k in ("PLED_TABLE", "PLED_GENERATION", "PLED_CLIENT_PID", "PLED_CLIENT_UID")} == {
+        "PLED_TABLE": "ples_int4", "PLED_GENERATION": "1", "PLED_CLIENT_PID": vllm["MainPID"],
+        "PLED_CLIENT_UID": client_uid}, attached
+    assert sum(e["MESSAGE"].startswith("table ples_int4: shard ") for e in entries) == 4  # its staging, shard by shard
     uid_map = pid1.inside("cat", f"/proc/{first['MainPID']}/uid_map").split()
     assert (uid_map == ["0", "0", "1", ids["pled"], ids["pled"], "1"]) if private_users else uid_map[2] == "4294967295"
 
@@ -385,7 +431,7 @@ def test_pled_service_under_systemd_pid1(fence, private_users):
     assert second["MainPID"] != first["MainPID"]
     assert second["NFileDescriptorStore"] == "1"  # adopted, not stored twice
     assert second["StatusText"].startswith("serving 1 table(s)")
-    log = (testdir / "pled.log").read_text()
+    log = pled_log(pid1, "ready:", count=2)
     assert log.count("table ples_int4 adopted from systemd's fd store: generation 1") == 1
     assert "(1 adopted, 0.0 KiB copied)" in log
     assert log.count("shard 4/4") == 1  # staged once, by the first start only
@@ -397,7 +443,10 @@ def test_pled_service_under_systemd_pid1(fence, private_users):
     pid1.systemctl("reload", "pled.service")  # ExecReload=pled reload: nothing changed, nothing restaged
     third = pid1.show("ActiveState", "MainPID", "NFileDescriptorStore")
     assert third == {"ActiveState": "active", "MainPID": second["MainPID"], "NFileDescriptorStore": "1"}
-    assert "reload done" in (testdir / "pled.log").read_text()
+    pled_log(pid1, "reload done")
+    (done,) = journal_entries(pid1, "-u", "pled", f"MESSAGE_ID={MESSAGE_IDS['reload_done']}")
+    assert done["_PID"] == second["MainPID"] and done["MESSAGE"].endswith(": unchanged ples_int4"), done
+    assert "PLED_TABLE" not in done  # a reload that changed no table names none
 
     pid1.systemctl("stop", "pled.service")
     assert pid1.show("ActiveState")["ActiveState"] == "inactive"
@@ -426,21 +475,21 @@ def test_a_small_fd_store_under_systemd_pid1(fence):
     (testdir / "units" / "pled.service.d" / "store.conf").write_text("[Service]\nFileDescriptorStoreMax=1\n")
     pid1 = fence.start()
     first = pid1.wait_active()
-    log = (testdir / "pled.log").read_text()
+    log = pled_log(pid1)
     assert "up to 2 table(s) (fdstore_max in the config; systemd before 254 does not pass FDSTORE)" in log
     assert log.count("handed to systemd's fd store") == 2  # pled believed the config
     assert first["NFileDescriptorStore"] == "1"  # systemd kept one and closed the other
 
     pid1.systemctl("restart", "pled.service")
     second = pid1.wait_active(since_pid=first["MainPID"])
-    log = (testdir / "pled.log").read_text()
+    log = pled_log(pid1, count=2)
     assert log.count("adopted from systemd's fd store") == 1 and log.count("shard 2/2") == 3  # one copied again
     assert second["NFileDescriptorStore"] == "1"
 
     config(1)  # as the unit says
     pid1.systemctl("restart", "pled.service")
     third = pid1.wait_active(since_pid=second["MainPID"])
-    log = (testdir / "pled.log").read_text()
+    log = pled_log(pid1, count=3)
     assert "up to 1 table(s) (fdstore_max in the config" in log
     assert re.search(r"2 table\(s\) but systemd's fd store holds 1 .*: (ples_int4|t2) will not be stored", log), \
         log[-3000:]

@@ -61,7 +61,8 @@ MUTATIONS = [
              "        return blake3.blake3(max_threads=1)", "        return hashlib.sha256()",
              ("tests/test_staging_contracts.py::test_correct_shipped_sums_pass_and_a_wrong_one_is_refused",)),
     Mutation("residency (the kernel's measure) returning a constant", "pled/shared/pagecache.py",
-             "    return found if found is not None else _mincore(fd, os.fstat(fd).st_size)",
+             "    if found is not None:\n        return found\n"
+             "    return hugetlb_bytes(fd) if is_hugetlb(fd) else _mincore(fd, os.fstat(fd).st_size)",
              "    return os.fstat(fd).st_size",
              ("tests/test_staging_contracts.py",)),
     Mutation("a client's residency() returning a constant", "pled/client/mapped_table.py",
@@ -164,9 +165,13 @@ def every_mutation() -> list[Mutation]:
     """This file's list and those of the test areas that keep their own (imported here, not at the top: they import
     this module's Mutation, and this module runs as ``__main__``)."""
     import mutations_access
+    import mutations_hugetlb
+    import mutations_journal
+    import mutations_metrics
     import mutations_reload
 
-    return [*MUTATIONS, *mutations_access.MUTATIONS, *mutations_reload.MUTATIONS]
+    return [*MUTATIONS, *mutations_access.MUTATIONS, *mutations_reload.MUTATIONS, *mutations_metrics.MUTATIONS,
+            *mutations_journal.MUTATIONS, *mutations_hugetlb.MUTATIONS]
 
 
 def main(mutations: list[Mutation] | None = None) -> int:

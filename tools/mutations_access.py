@@ -84,8 +84,8 @@ MUTATIONS = [
              "pled/daemon/session.py", "        greedy = max(same, key=load)", "        greedy = conn",
              (UNREAD,)),
     Mutation("a connection dropped for its unread replies is dropped unlogged", "pled/daemon/server.py",
-             "len(data)):\n                self._drop(victim, why)",
-             "len(data)):\n                self._drop(victim, None)",
+             "len(data)):\n                self._drop(victim, why, ",
+             "len(data)):\n                self._drop(victim, None, ",
              (UNREAD,)),
 ]
 

@@ -4,6 +4,7 @@
     with attach("ples_int4") as table:          # maps the daemon's sealed memfd
         table.tensors["shard_0/weight_i4"]      # torch views into the mapping, no copy
         table.gather(row_ids, out=pinned_buf)   # CPU gather + dequant, [n, 160]
+        table.page_size                         # the pages it got: 4096, 2 MiB (THP or hugetlb), 1 GiB (hugetlb)
 
 Every process that attaches maps the same physical pages. ``attach`` joins the two halves:
 the wire connection (pled.client.connection), held open for as long as the table is attached, and

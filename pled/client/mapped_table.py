@@ -111,8 +111,10 @@ class Table:
     def populate(self) -> float:
         """Make the first gather run at full speed: fault every page in (MADV_POPULATE_READ, one call into
         the kernel), then read one byte of every page, so the CPU has walked every page table once too
-        (docs/BENCHMARKS.md shows what each step buys). One read per 2 MiB where the table is on huge
-        pages. Returns the seconds it took (also in ``populate_seconds``)."""
+        (docs/BENCHMARKS.md shows what each step buys). One read per huge page where the table is on huge
+        pages (``page_size``). On reserved huge pages (hugetlb) every page exists already, so this maps them and
+        reserves nothing: it works on a full pool and in a cgroup whose hugetlb limit is 0. Returns the seconds it
+        took (also in ``populate_seconds``)."""
         start = time.perf_counter()
         try:
             self.buffer.madvise(MADV_POPULATE_READ)
@@ -121,11 +123,20 @@ class Table:
                 raise ClientError(f"pre-faulting table {self.manifest.table} failed: {err.strerror} "
                                   f"(MADV_POPULATE_READ, errno {err.errno}); "
                                   "attach with populate=False to skip it") from err
-        huge = hugepages.pmd_mapped_bytes(self.address) >= 0.9 * self.manifest.region_bytes
-        stride = hugepages.PMD_SIZE if huge else PAGE
-        int(np.frombuffer(self.buffer, dtype=np.uint8)[::stride].sum())
+        int(np.frombuffer(self.buffer, dtype=np.uint8)[::self.page_size].sum())
         self.populate_seconds = time.perf_counter() - start
         return self.populate_seconds
+
+    @property
+    def page_size(self) -> int:
+        """The page size this process's mapping of the table got, in bytes: a hugetlb region's own (2 MiB or
+        1 GiB, from its memfd); else 2 MiB where transparent huge pages map at least 90% of it (as faulted in so
+        far: after ``populate``), else 4 KiB."""
+        from pled.shared.pagecache import is_hugetlb, page_size
+
+        if is_hugetlb(self._fd):
+            return page_size(self._fd)
+        return hugepages.PMD_SIZE if hugepages.pmd_mapped_bytes(self.address) >= 0.9 * len(self.buffer) else PAGE
 
     def residency(self) -> float:
         """The share of the region in memory now, measured by the kernel (cachestat or mincore)."""

@@ -1,12 +1,16 @@
 """pled.toml: read with tomllib, validated by pydantic, every error naming the key and the file.
 
     socket = "/run/pled/pled.sock"
-    huge_pages = "auto"            # auto | off
+    huge_pages = "auto"            # auto | prefer-hugetlb | hugetlb | off (also per table)
+    huge_page_size = "2M"          # optional, "2M" | "1G": hugetlb's page size (default: the largest with room)
+    numa = "interleave"            # interleave | local | [0, 1]: where the pages go (default: interleave over all)
     headroom_margin = "1GiB"       # kept free beyond the tables themselves
     allow_uids = [1000]            # besides root, pled's own user and pled's own group
     allow_groups = ["vllm"]        # group names or gids
     staging_bandwidth = "500MB/s"  # optional: leave disk bandwidth to vLLM
     fdstore_max = 64               # the unit's FileDescriptorStoreMax=, used where systemd < 254 does not pass it
+    metrics_file = "/var/lib/prometheus/node-exporter/pled.prom"  # optional: metrics for the textfile collector
+    metrics_interval = 15          # seconds: the metrics file is written at least this often
 
     [[table]]
     name = "ples_int4"
@@ -15,7 +19,7 @@
     name = "checkpoint"
     path = "/srv/models/gemma/model-*.safetensors" # or a glob of files
 
-Relative table paths are taken relative to the directory of the config file.
+Relative table paths, and a relative metrics_file, are taken relative to the directory of the config file.
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, ValidationError, field_validator
 
 from pled.shared.boundary import BoundaryError, check_json_depth_text, clip
 from pled.shared.config_file import MAX_DEPTH, check_socket_path, read_text, resolve_path  # noqa: F401 (resolve_path)
@@ -33,12 +37,49 @@ from pled.shared.errors import ConfigError
 from pled.shared.protocol import DEFAULT_SOCKET
 from pled.shared.sizes import parse_size
 
+HugePages = Literal["auto", "prefer-hugetlb", "hugetlb", "off"]
+Numa = Literal["interleave", "local"] | tuple[StrictInt, ...]  # a list of nodes: bind to them
+_PAGE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def page_size_bytes(text: str) -> int:
+    """A huge_page_size ("2M", "1G", "64K") in bytes."""
+    return int(text[:-1]) * _PAGE_UNITS[text[-1]]
+
+
+def _check_page_size(value: str | None) -> str | None:
+    if value is not None and not (len(value) <= 6 and value[-1:] in _PAGE_UNITS and value[:-1].isdigit()
+                                  and value[0] != "0" and value.isascii()):
+        raise ValueError(f"{clip(value, 40)!r} is not a page size; write it as \"2M\" or \"1G\"")
+    return value
+
+
+def _check_numa(value: object) -> object:
+    """Before pydantic's own checks, so that a bad value gets one message, not one per member of the union."""
+    if value is None or value in ("interleave", "local"):
+        return value
+    if not isinstance(value, (list, tuple)) or not all(type(n) is int for n in value):
+        raise ValueError(f"expected \"interleave\", \"local\" or a list of node numbers such as [0, 1], "
+                         f"not {clip(repr(value), 60)}")
+    if not value:
+        raise ValueError("an empty list of nodes; name at least one, or use \"interleave\" or \"local\"")
+    if len(set(value)) != len(value) or not all(0 <= n < 1024 for n in value):
+        raise ValueError(f"{list(value)} must name distinct NUMA node numbers from 0 to 1023")
+    return value
+
 
 class TableConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
     path: str = Field(min_length=1, max_length=4096)
+    # Each one, where given, overrides the global key of the same name for this table (pageplan.py).
+    huge_pages: HugePages | None = None
+    huge_page_size: str | None = None
+    numa: Numa | None = None
+
+    _page_size = field_validator("huge_page_size")(classmethod(lambda cls, v: _check_page_size(v)))
+    _numa = field_validator("numa", mode="before")(classmethod(lambda cls, v: _check_numa(v)))
 
     @field_validator("path")
     @classmethod
@@ -52,12 +93,16 @@ class Config(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     socket: str = DEFAULT_SOCKET
-    huge_pages: Literal["auto", "off"] = "auto"
+    huge_pages: HugePages = "auto"
+    huge_page_size: str | None = None  # None: the largest size the kernel offers whose pool has room (pageplan.py)
+    numa: Numa | None = None  # None: interleave over every node with memory
     headroom_margin: int = 1024**3
     staging_bandwidth: int | None = None  # bytes/s; None: as fast as the disk goes
     allow_uids: tuple[int, ...] = ()
     allow_groups: tuple[int | str, ...] = ()
     fdstore_max: int = Field(default=64, ge=0, le=1 << 20)  # FileDescriptorStoreMax=, where systemd does not say
+    metrics_file: str | None = Field(default=None, min_length=1, max_length=4096)  # None: no metrics file
+    metrics_interval: float = Field(default=15.0, ge=1, le=3600)  # seconds; the file is also written on each change
     tables: tuple[TableConfig, ...] = Field(default=(), alias="table")
     _source: str = PrivateAttr(default="<defaults>")
 
@@ -71,6 +116,25 @@ class Config(BaseModel):
         config = self.model_copy(update={"socket": socket})
         config._source = self._source
         return config
+
+    _page_size = field_validator("huge_page_size")(classmethod(lambda cls, v: _check_page_size(v)))
+    _numa = field_validator("numa", mode="before")(classmethod(lambda cls, v: _check_numa(v)))
+
+    @field_validator("metrics_file")
+    @classmethod
+    def _prom(cls, value: str | None) -> str | None:
+        if value is not None and "\0" in value:
+            raise ValueError("contains a NUL byte; a path cannot")
+        if value is not None and not value.endswith(".prom"):  # node exporter's textfile collector reads only those
+            raise ValueError(f"{clip(value, 80)!r} must end in .prom (the textfile collector reads only *.prom)")
+        return value
+
+    @field_validator("metrics_interval", mode="before")
+    @classmethod
+    def _seconds(cls, value: object) -> object:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError("expected seconds, a number from 1 to 3600")
+        return value
 
     @field_validator("headroom_margin", mode="before")
     @classmethod
@@ -167,11 +231,13 @@ def parse(text: str, source: str) -> Config:
         raise ConfigError(source, f"not valid TOML: {clip(err)}") from err
     except (BoundaryError, RecursionError, ValueError, OverflowError) as err:  # tomllib's int() and recursion
         raise ConfigError(source, f"not a config pled accepts: {clip(err) or type(err).__name__}") from err
+    base = Path(source).resolve().parent
     if isinstance(data.get("table"), list):
-        base = Path(source).resolve().parent
         for entry in data["table"]:
             if isinstance(entry, dict) and isinstance(entry.get("path"), str) and entry["path"]:
                 entry["path"] = str(base / os.path.expanduser(entry["path"]))
+    if isinstance(data.get("metrics_file"), str) and data["metrics_file"]:  # as a table's path
+        data["metrics_file"] = str(base / os.path.expanduser(data["metrics_file"]))
     try:
         config = Config.model_validate(data)
     except ValidationError as err:

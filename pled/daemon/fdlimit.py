@@ -12,6 +12,7 @@ connections until the cap cannot lock out `pled status`, `pled reload` or the ot
 from __future__ import annotations
 
 import logging
+import os
 import resource
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,20 @@ def raise_nofile() -> int:
         return soft
     log.info("open-file limit raised from %d to %d: up to %d clients", soft, hard, max_connections(hard))
     return hard
+
+
+def soft_limit() -> int:
+    """The soft RLIMIT_NOFILE in force: how many fds pled may hold."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def open_fds(proc: str = "/proc/self/fd") -> int | None:
+    """How many fds this process holds now (None where /proc is not there)."""
+    try:
+        return len(os.listdir(proc)) - 1  # listdir's own fd of the directory is listed too
+    except OSError:
+        return None
 
 
 def max_connections(limit: int) -> int:

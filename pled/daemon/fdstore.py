@@ -6,8 +6,9 @@ When pled starts again systemd passes them back (LISTEN_FDS, read by ``listen_fd
 sd_listen_fds_with_names does, into ``StoredFd``s that own their fds). A stored region is adopted,
 without copying a byte, only if its header reads, its seals are all there, and its manifest
 is exactly what staging the table's files now would produce (same paths, sizes, mtimes,
-header fingerprints, offsets). Anything else is removed from the store (FDSTOREREMOVE=1)
-and closed, so the store never holds a table twice or a table nobody configured.
+header fingerprints, offsets) on the pages the config asks for now (shared memory, or reserved huge
+pages of the size it names: pageplan.mismatch, from the memfd itself). Anything else is removed from
+the store (FDSTOREREMOVE=1) and closed, so the store never holds a table twice or a table nobody configured.
 
 The store holds at most FileDescriptorStoreMax= fds; systemd closes any past that, silently, so a table
 sent then would be copied again on the next start without a word. ``FdStore`` counts what pled has
@@ -20,9 +21,10 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 
+from pled.daemon import pageplan
 from pled.daemon.notify import Notifier
 from pled.shared import region
 from pled.shared.errors import RegionError
@@ -175,9 +177,12 @@ def describe_change(old: Manifest, new: Manifest) -> str:
     return "its layout changed"
 
 
-def adopt_stored(stored: list[StoredFd], planned: dict[str, Manifest], store: FdStore) -> Adopted:
+def adopt_stored(stored: list[StoredFd], planned: dict[str, Manifest], store: FdStore,
+                 pages: Callable[[str, int], str] | None = None) -> Adopted:
     """The regions systemd kept for us: those that match what staging the files now would give are adopted,
-    every other one is removed from the store and closed."""
+    every other one is removed from the store and closed. ``planned``: on 2 MiB boundaries (a hugetlb region's
+    is compared rounded up to its pages); ``pages(table, page_size)``: why a region on hugetlb pages of that size
+    (0: shared memory) is not what the config asks for now, "" where it is."""
     out = Adopted()
     drop = store.drop
     for item in stored:
@@ -199,7 +204,12 @@ def adopt_stored(stored: list[StoredFd], planned: dict[str, Manifest], store: Fd
         if manifest.table != table:
             drop(item, f"it holds table {manifest.table}, not {table}")
             continue
-        if manifest.identity() != planned[table].identity():
+        page_size = pageplan.page_size_of(item.fd)
+        why = pages(table, page_size) if pages is not None else ""
+        if why:
+            drop(item, f"table {table} generation {generation}: {why}; staging it anew")
+            continue
+        if manifest.identity() != planned[table].paged(page_size).identity():
             drop(item, f"the sources of table {table} changed since generation {generation} was staged "
                        f"({describe_change(manifest, planned[table])}); staging it anew")
             continue

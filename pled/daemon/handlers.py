@@ -11,7 +11,9 @@ import logging
 import os
 from collections.abc import Callable, Collection
 
-from pled.daemon import tables
+from pled.daemon import fdlimit, hostmem, journal, tables
+from pled.daemon.counters import Counters
+from pled.daemon.fdstore import FdStore
 from pled.daemon.registry import Registry
 from pled.daemon.reload import Reloader
 from pled.daemon.server import PENDING
@@ -35,10 +37,13 @@ def holders(connections: Collection[Session], name: str, generation: int) -> int
 class Handlers:
     def __init__(self, registry: Registry, reloader: Reloader, *, answer: Callable[[Session, Reply], None],
                  connections: Callable[[], Collection[Session]], clients_changed: Callable[[], None],
-                 started: float) -> None:
+                 started: float, counters: Counters, fdstore: FdStore) -> None:
         """``answer(conn, reply)`` sends the later reply to a call that got PENDING; ``connections()`` are the
-        server's open connections; ``clients_changed()`` is told when a client attaches or leaves."""
+        server's open connections; ``clients_changed()`` is told when a client attaches or leaves; ``counters``
+        counts attaches and refusals, and goes out in Status with the fd store's figures."""
         self.registry = registry
+        self.counters = counters
+        self.fdstore = fdstore
         self.reloader = reloader
         self.answer = answer
         self.connections = connections
@@ -64,8 +69,9 @@ class Handlers:
 
     def reload(self, conn: Session, params: dict):
         if conn.peer.uid not in (0, os.geteuid()):
+            self.counters.refuse("reload_access")
             log.warning("refused io.pled.Reload from %s: only root and pled's own user may reload",
-                        conn.peer.describe())
+                        conn.peer.describe(), extra=journal.fields(peer=conn.peer))
             return Reply(protocol.error(protocol.PERMISSION_DENIED, uid=conn.peer.uid))
         return self.reloader.begin(conn)
 
@@ -76,11 +82,13 @@ class Handlers:
         served = self.registry.tables
         t = served.get(name)
         if t is None:
+            self.counters.refuse("no_such_table")
             return Reply(protocol.error(protocol.NO_SUCH_TABLE, table=clip(name, 200), tables=sorted(served)))
         if t.state is not State.READY:
             if params.get("wait") is True and t.state is not State.FAILED:
                 self.waiters.setdefault(name, []).append(conn)
                 return PENDING
+            self.counters.refuse("not_ready")
             return Reply(protocol.error(protocol.NOT_READY, **t.progress()))
         return self.attach_reply(conn, t)
 
@@ -101,9 +109,11 @@ class Handlers:
     def _attached(self, conn: Session, name: str, generation: int) -> None:
         first = name not in conn.attached
         conn.attached[name] = generation
+        self.counters.attached()
         if first:
             log.info("client attached: table %s generation %d to %s; %d client(s) attached",
-                     name, generation, conn.peer.describe(), self.attached_count())
+                     name, generation, conn.peer.describe(), self.attached_count(),
+                     extra=journal.fields("client_attached", table=name, generation=generation, peer=conn.peer))
             self.clients_changed()
 
     def attached_count(self) -> int:
@@ -116,10 +126,25 @@ class Handlers:
         self.reloader.forget(conn)
         if conn.attached:
             log.info("client detached: %s (table %s); %d client(s) attached", conn.peer.describe(),
-                     ", ".join(conn.attached), self.attached_count())
+                     ", ".join(conn.attached), self.attached_count(),
+                     extra=journal.fields("client_detached", table=list(conn.attached), peer=conn.peer))
             self.clients_changed()
 
-    def status_dict(self) -> dict:
+    def status_dict(self, sources: bool = True) -> dict:
+        """The Status reply; ``sources=False`` leaves out the stat of the source files (a hung file system can hold
+        it): the metrics' snapshot, made in the loop thread."""
+        connections = self.connections()
         return tables.status_reply(started=self.started, socket=self.registry.config.socket,
-                                   tables=list(self.registry.tables.values()), connections=self.connections(),
-                                   reload=self.reloader.progress())
+                                   tables=list(self.registry.tables.values()), connections=connections,
+                                   reload=self.reloader.progress(), daemon=self.daemon_dict(connections),
+                                   sources=sources)
+
+    def daemon_dict(self, connections: Collection[Session]) -> dict:
+        """Status's ``daemon``: the counts since pled started, connections, fds, the fd store, pled's memory."""
+        store = self.fdstore
+        return self.counters.snapshot() | {
+            "connections": len(connections), "clients": attached_count(connections),
+            "open_fds": fdlimit.open_fds(), "max_fds": fdlimit.soft_limit(),
+            "fdstore": {"entries": len(store.names), "max_entries": store.limit if store.enabled else 0},
+            "resident_memory_bytes": hostmem.own_rss(),
+        }

@@ -35,14 +35,17 @@ import os
 import signal
 import threading
 import time
+from functools import partial
 
 from pled import __version__
-from pled.daemon import fdlimit, fdstore, handlers, hostmem, notify, startup, tables as tables_mod
+from pled.daemon import fdlimit, fdstore, handlers, hostmem, journal, notify, startup, tables as tables_mod
 from pled.daemon.access import Policy
 from pled.daemon.config import Config
+from pled.daemon.counters import Counters
 from pled.daemon.events import Event, Planned, PlanningFailed
 from pled.daemon.handlers import Handlers
 from pled.daemon.loop import Loop, drain
+from pled.daemon.metrics_file import MetricsFile
 from pled.daemon.registry import Registry
 from pled.daemon.reload import Reloader
 from pled.daemon.server import Server
@@ -69,13 +72,17 @@ class Daemon:
         self.server: Server | None = None
         self.notifier = notify.Notifier(self.env)
         self.fdstore = fdstore.FdStore(self.notifier, self.env, config.fdstore_max)
+        self.counters = Counters()  # attaches, refusals, drops, reloads: counted by the parts it is handed to
         self.registry = Registry(config, self.fdstore, holders=self._holders)
         self.stager = Stager(self.stopping, sys_root)
         self.reloader = Reloader(self.registry, self.stager, self.notifier, proc_root=proc_root, stopping=self.stopping,
                                  answer=self._answer_later, announce=self.announce_ready,
-                                 config_changed=self._config_changed)
+                                 config_changed=self._config_changed, counters=self.counters)
         self.handlers = Handlers(self.registry, self.reloader, answer=self._answer_later, connections=self._connections,
-                                 clients_changed=self._clients_changed, started=self.started)
+                                 clients_changed=self._clients_changed, started=self.started, counters=self.counters,
+                                 fdstore=self.fdstore)
+        self.metrics = MetricsFile(config.metrics_file, config.metrics_interval, counters=self.counters,
+                                   snapshot=partial(self.handlers.status_dict, sources=False))
         self.first_staging = startup.FirstStaging(self.registry, self.handlers, self.notifier, self.stopping,
                                                   all_ready=self._on_all_ready)
         self._signals: list[int] = []
@@ -101,7 +108,7 @@ class Daemon:
             self.server = Server(config.socket, Policy.for_this_process(config.allow_uids, config.allow_gids),
                                  self.handlers, self.handlers.on_close, loop,
                                  max_connections=fdlimit.max_connections(nofile),
-                                 max_fds_per_uid=fdlimit.max_fds_in_flight(nofile))
+                                 max_fds_per_uid=fdlimit.max_fds_in_flight(nofile), counters=self.counters)
             log.info("listening on %s", config.socket)
             self.stager.stage(to_stage, self.first_staging, config)
             if self.registry.all_ready():
@@ -127,6 +134,7 @@ class Daemon:
         self._drain_events()
         if self.reloader.current is not None:
             self.reloader.fail("pled is stopping")
+        self.metrics.close()  # the last figures (a failed table too), in 1 s at most: a hung write is left, named
         held = self.registry.release_all()
         if held:
             stored = " (systemd's fd store keeps them for the next start)" if self.notifier.enabled else ""
@@ -190,6 +198,7 @@ class Daemon:
                     self.reloader.fail(f"{type(err).__name__}: {err}")
 
     def _handle(self, event: Event) -> None:
+        self.metrics.changed()  # a table staged or failed, a reload planned
         if isinstance(event, (Planned, PlanningFailed)):
             self.reloader.planned(event)
         else:
@@ -208,7 +217,8 @@ class Daemon:
             t.measure()
         log.info("ready: %d table(s), %s in sealed memfds (%d adopted, %s copied) in %.1f s; pled's own memory %s RSS; "
                  "serving on %s", len(tables), gib(total), sum(t.origin == "adopted" for t in tables), gib(copied),
-                 seconds, gib(rss), self.registry.config.socket)
+                 seconds, gib(rss), self.registry.config.socket,
+                 extra=journal.fields("ready", table=[t.name for t in tables]))
         self._next_residency = time.monotonic() + RESIDENCY_EVERY
         self.announce_ready()
         self.reloader.serving()  # reloads may run now, and one asked for meanwhile does
@@ -233,10 +243,12 @@ class Daemon:
             self.server.answer(conn, reply)
 
     def _clients_changed(self) -> None:
+        self.metrics.changed()
         if self.ready and not self.stopping.is_set():
             self.set_status(self.serving_line())
 
     def _config_changed(self, config: Config) -> None:
+        self.metrics.configure(config.metrics_file, config.metrics_interval)
         if self.server is not None:
             self.server.policy = Policy.for_this_process(config.allow_uids, config.allow_gids)
 
@@ -249,6 +261,7 @@ class Daemon:
         if self.notifier.watchdog_interval and now >= self._next_watchdog and self._healthy():
             self.notifier.watchdog()
             self._next_watchdog = now + self.notifier.watchdog_interval
+        self.metrics.tick(now)  # a snapshot for the metrics file's writer, if one is due
         tables = list(self.registry.tables.values())
         staging_now = [t for t in tables + list(self.registry.next.values()) if t.state is State.STAGING]
         if staging_now:  # a reload's stagings extend its timeout too

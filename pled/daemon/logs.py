@@ -1,35 +1,56 @@
 """Logging for a terminal or for journald.
 
-Under systemd (JOURNAL_STREAM names our stderr) each line starts with its syslog
-priority, ``<3>`` error, ``<4>`` warning, ``<6>`` info, ``<7>`` debug, so that
-``journalctl -p warning -u pled`` works; journald adds time and pid itself.
-Elsewhere: a plain human line with a timestamp.
+Under systemd (JOURNAL_STREAM names our stderr) each record goes to the journal through its native protocol
+(journal.py: MESSAGE_ID, PLED_TABLE and the other fields a call passes with ``extra=journal.fields(...)``), where
+the journal's socket is there (``journal_socket``); whenever a record cannot go that way, and where the socket is
+not there at all, it is a line on stderr that starts with its syslog priority, ``<3>`` error, ``<4>`` warning,
+``<6>`` info, ``<7>`` debug, so that ``journalctl -p warning -u pled`` works; journald adds time and pid itself.
+Elsewhere: a plain human line with a timestamp. JOURNAL_STREAM, not the socket's existence, decides, as systemd.exec(5)
+advises: a pled started by hand on a host with journald, or with its stderr sent to a file, keeps its text log.
 
-Both escape every non-printable character of a message (pled.shared.boundary.printable): a peer's
+Every form escapes every non-printable character of a message (pled.shared.boundary.printable): a peer's
 command line, a path or a file's text can hold ESC, BEL or U+2028, and none of it reaches a terminal or
 splits a journal entry. A traceback keeps its line breaks; each of its lines is escaped the same way.
+
+The refusal pled exits 78 with (EX_CONFIG: the config, a sidecar or the preflight) is logged by pled.cli.main as
+``log.error("%s", err)``; ``tag_refusal`` gives that record the journal's "refused" MESSAGE_ID and the table's name.
 """
 from __future__ import annotations
 
 import logging
 import os
+import stat
 import sys
+from collections.abc import Mapping
 
+from pled.daemon import journal
 from pled.shared.boundary import printable
+from pled.shared.errors import EX_CONFIG, PledError
 
-_PRIORITY = {logging.CRITICAL: 2, logging.ERROR: 3, logging.WARNING: 4, logging.INFO: 6, logging.DEBUG: 7}
 
-
-def stderr_is_journal() -> bool:
-    stream = os.environ.get("JOURNAL_STREAM", "")
+def stderr_is_journal(env: Mapping[str, str] | None = None) -> bool:
+    stream = (os.environ if env is None else env).get("JOURNAL_STREAM", "")
     dev, _, ino = stream.partition(":")
     if not (dev.isdigit() and ino.isdigit()):
         return False
     try:
         st = os.fstat(sys.stderr.fileno())
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError):
         return False
     return (st.st_dev, st.st_ino) == (int(dev), int(ino))
+
+
+def journal_socket(env: Mapping[str, str] | None = None) -> str | None:
+    """The journal's native socket, where pled's stderr is the journal and the socket is there; else None.
+    ``PLED_JOURNAL_SOCKET`` names another path for it (tests)."""
+    env = os.environ if env is None else env
+    if not stderr_is_journal(env):
+        return None
+    path = env.get(journal.ENV_SOCKET) or journal.SOCKET
+    try:
+        return path if stat.S_ISSOCK(os.stat(path).st_mode) else None
+    except (OSError, ValueError):
+        return None
 
 
 class _Escaping(logging.Formatter):
@@ -46,16 +67,35 @@ class _Escaping(logging.Formatter):
 
 class _JournalFormatter(_Escaping):
     def format(self, record: logging.LogRecord) -> str:
-        prefix = f"<{_PRIORITY.get(record.levelno, 6)}>"
+        prefix = f"<{journal.priority(record.levelno)}>"
         return "\n".join(prefix + line for line in super().format(record).splitlines())
 
 
+def tag_refusal(record: logging.LogRecord) -> bool:
+    """A logging filter: the record of a refusal pled exits 78 with (``log.error("%s", err)``) gets the journal's
+    "refused" fields. Passes every record."""
+    args = record.args
+    if (isinstance(args, tuple) and len(args) == 1 and isinstance(args[0], PledError)
+            and args[0].exit_status == EX_CONFIG and not hasattr(record, journal.ATTR)):
+        setattr(record, journal.ATTR, journal.fields("refused", table=args[0].table)[journal.ATTR])
+    return True
+
+
 def setup(level: str = "INFO") -> None:
-    handler = logging.StreamHandler(sys.stderr)
+    stderr = logging.StreamHandler(sys.stderr)
+    handler: logging.Handler = stderr
     if stderr_is_journal():
-        handler.setFormatter(_JournalFormatter("%(message)s"))
+        stderr.setFormatter(_JournalFormatter("%(message)s"))
+        path = journal_socket()
+        if path is not None:
+            try:
+                handler = journal.JournalHandler(stderr, path)
+                handler.setFormatter(_Escaping("%(message)s"))
+            except OSError:  # no socket to be had (no fd free): the lines on stderr, as without the journal's socket
+                handler = stderr
     else:
         handler.setFormatter(_Escaping("%(asctime)s pled[%(process)d] %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S"))
+    handler.addFilter(tag_refusal)
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -3,17 +3,25 @@
 Used by ``pled serve`` at start, by a reload (in a worker thread, never the loop's: reading headers can be
 slow) and by ``pled preflight``, which imports this and not the daemon. Everything here reads headers
 only, and raises a PledError that names the file, the table or the config key.
+
+Each table is planned on 2 MiB boundaries first (``plan_tables``); the pages it will be staged on (pageplan.py:
+shared memory, or reserved huge pages of some size) are decided for the tables left to stage, and a hugetlb
+table's plan is then rounded up to whole pages (``Manifest.paged``), the size the preflight counts.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
-from pled.daemon import config as config_mod, preflight
+from pled.daemon import config as config_mod, journal, pageplan, preflight
 from pled.daemon.config import Config
+from pled.daemon.pageplan import PagePlan
 from pled.daemon.sidecar import Sidecar, open_table
 from pled.shared import region
 from pled.shared.boundary import clip
 from pled.shared.errors import ConfigError, PledError
+
+log = logging.getLogger(__name__)
 
 
 def open_tables(config: Config) -> dict[str, Sidecar]:
@@ -25,6 +33,7 @@ def open_tables(config: Config) -> dict[str, Sidecar]:
             sidecars[t.name] = open_table(t.path)
         except PledError as e:  # its file and problem, and which table (of several a reload may change) it is
             e.args = (f"table {clip(t.name)}: {e}",)
+            e.table = t.name
             raise
     check_distinct(config, sidecars)
     return sidecars
@@ -51,9 +60,29 @@ def plan_tables(sidecars: dict[str, Sidecar]) -> dict[str, region.Manifest]:
     return {name: region.plan(name, s) for name, s in sidecars.items()}
 
 
-def run_preflight(config: Config, manifests: dict[str, region.Manifest], proc_root: str = "/") -> preflight.Verdict:
-    """Will these planned regions fit? Their exact sizes against what this process can have."""
-    return preflight.check({name: m.region_bytes for name, m in manifests.items()}, config.headroom_margin, proc_root)
+def plan_pages(config: Config, manifests: dict[str, region.Manifest], proc_root: str = "/",
+               log_as: str | None = None, placements: dict[str, pageplan.Placement] | None = None
+               ) -> dict[str, PagePlan]:
+    """The pages each of these tables (planned on 2 MiB boundaries) is to be staged on, each choice logged with its
+    reason when ``log_as`` is given ("" at start, "reload: " in a reload). ConfigError for a setting this host
+    refuses (pageplan.resolve)."""
+    placements = pageplan.resolve(config, proc_root) if placements is None else placements
+    pages = pageplan.decide(placements, {n: m.region_bytes for n, m in manifests.items()}, proc_root)
+    for name, plan in pages.items() if log_as is not None else ():
+        log.info("%stable %s: %s", log_as, name, plan.describe(), extra=journal.fields(table=name))
+    return pages
+
+
+def run_preflight(config: Config, manifests: dict[str, region.Manifest], proc_root: str = "/",
+                  pages: dict[str, PagePlan] | None = None) -> preflight.Verdict:
+    """Will these planned regions (on 2 MiB boundaries) fit on the pages decided for them (decided here when
+    ``pages`` is None, as for `pled preflight`)? Their exact sizes against what this process can have: a hugetlb
+    table's rounded up to whole pages, against its pool."""
+    if pages is None:
+        pages = plan_pages(config, manifests, proc_root)
+    return preflight.check({name: m.paged(pages[name].page_size).region_bytes for name, m in manifests.items()},
+                           config.headroom_margin, proc_root,
+                           huge={n: (p.page_size, manifests[n].region_bytes) for n, p in pages.items() if p.hugetlb})
 
 
 @dataclass(frozen=True)
@@ -63,24 +92,36 @@ class ReloadPlan:
     unchanged: list[str]
     removed: list[str]
     verdict: preflight.Verdict | None
+    pages: dict[str, PagePlan] = field(default_factory=dict)  # the pages each fresh table is to be staged on
 
 
-def plan_reload(source: str, served: dict[str, region.Manifest], proc_root: str = "/") -> ReloadPlan:
+def plan_reload(source: str, served: dict[str, region.Manifest], proc_root: str = "/",
+                served_pages: dict[str, int] | None = None) -> ReloadPlan:
     """Re-read the config at ``source`` and compare its tables with ``served`` (name -> identity of the served
-    manifest). Runs off the loop thread; raises PledError when the reload must change nothing."""
+    manifest; ``served_pages``: name -> its region's hugetlb page size, 0 on shared memory). A table is kept when
+    its files and its pages are what the config asks for now. Runs off the loop thread; raises PledError when the
+    reload must change nothing."""
     config = config_mod.load(source)
+    placements = pageplan.resolve(config, proc_root)
     sidecars = open_tables(config)
     fresh, unchanged = {}, []
     for name, sidecar in sidecars.items():
         planned = region.plan(name, sidecar)
-        if name in served and served[name] == planned.identity():
-            unchanged.append(name)
-        else:
-            fresh[name] = (sidecar, planned)
-    verdict = None
+        page_size = (served_pages or {}).get(name, 0)
+        if name in served and served[name] == planned.paged(page_size).identity():
+            why = pageplan.mismatch(placements[name], page_size, planned.region_bytes, proc_root)
+            if not why:
+                unchanged.append(name)
+                continue
+            log.info("reload: table %s is staged anew: %s", name, why, extra=journal.fields(table=name))
+        fresh[name] = (sidecar, planned)
+    verdict, pages = None, {}
     if fresh:
-        verdict = run_preflight(config, {n: m for n, (_, m) in fresh.items()}, proc_root)
+        manifests = {n: m for n, (_, m) in fresh.items()}
+        pages = plan_pages(config, manifests, proc_root, log_as="reload: ", placements=placements)
+        verdict = run_preflight(config, manifests, proc_root, pages)
         verdict.raise_if_refused()
-    return ReloadPlan(config, fresh, unchanged, [n for n in served if n not in sidecars], verdict)
+        fresh = {n: (s, m.paged(pages[n].page_size)) for n, (s, m) in fresh.items()}
+    return ReloadPlan(config, fresh, unchanged, [n for n in served if n not in sidecars], verdict, pages)
 
 

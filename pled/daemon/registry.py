@@ -23,10 +23,11 @@ import logging
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
-from pled.daemon import staging
+from pled.daemon import journal, pageplan, staging
 from pled.daemon.config import Config
 from pled.daemon.events import Staged, StagingCancelled, StagingEnded, StagingFailed
 from pled.daemon.fdstore import Adopted, FdStore
+from pled.daemon.pageplan import PagePlan
 from pled.daemon.planning import ReloadPlan
 from pled.daemon.sidecar import Sidecar
 from pled.daemon.tables import CopyProgress, State, TableState
@@ -67,23 +68,30 @@ class Registry:
         """What each served table was planned from (its manifest without digests), for a reload to compare."""
         return {name: t.manifest.identity() for name, t in self._served.items()}
 
+    def page_sizes(self) -> dict[str, int]:
+        """Each served table's hugetlb page size, 0 on shared memory (read from its memfd), for a reload to compare."""
+        return {name: pageplan.page_size_of(t.region.fd) for name, t in self._served.items()
+                if t.region is not None and not t.region.closed}
+
     # -- at start ----------------------------------------------------------------------------
 
-    def open(self, sidecars: dict[str, Sidecar], planned: dict[str, Manifest], stored: Adopted) -> list[TableState]:
+    def open(self, sidecars: dict[str, Sidecar], planned: dict[str, Manifest], stored: Adopted,
+             pages: Mapping[str, PagePlan] = MappingProxyType({})) -> list[TableState]:
         """A table for each of ``sidecars``: adopted where systemd kept its region, else planned as the generation
-        after any stored one. Returns the tables to stage, in config order."""
+        after any stored one, to be staged on its ``pages``. Returns the tables to stage, in config order."""
         for name, sidecar in sidecars.items():
             if name in stored.adopted:
                 self._served[name] = self._adopted(name, sidecar, *stored.adopted[name])
             else:
-                self._served[name] = TableState(name, sidecar, planned[name], stored.generations.get(name, 1))
+                self._served[name] = TableState(name, sidecar, planned[name], stored.generations.get(name, 1),
+                                                pages=pages.get(name))
         return [t for t in self._served.values() if t.state is not State.READY]
 
     @staticmethod
     def _adopted(name: str, sidecar: Sidecar, region: Region, generation: int) -> TableState:
         manifest = region.manifest  # with the content digests computed when it was staged
         log.info("table %s adopted from systemd's fd store: generation %d, %s, 0 bytes copied, sources unchanged",
-                 name, generation, gib(manifest.region_bytes))
+                 name, generation, gib(manifest.region_bytes), extra=journal.fields(table=name, generation=generation))
         return TableState(name, sidecar, manifest, generation, origin="adopted", region=region, outcome=State.READY,
                           copy=CopyProgress(shards_done=len(manifest.shards)))
 
@@ -98,7 +106,8 @@ class Registry:
         match event:
             case Staged(region=region):
                 t.region, t.manifest, t.outcome = region, region.manifest, State.READY  # the manifest with digests
-                log.info("%s", staging.describe_ready(region))
+                log.info("%s", staging.describe_ready(region),
+                         extra=journal.fields(table=t.name, generation=t.generation))
                 if self._served.get(t.name) is t:  # a reload's generation is stored once it is served (switch)
                     self._fdstore.store(t.name, t.generation, region)
                 event.owner.table_ready(t)
@@ -113,18 +122,23 @@ class Registry:
         """A staging of a reload that failed meanwhile: nobody serves what it made."""
         if isinstance(event, Staged):
             event.region.close()
-        log.info("table %s generation %d: its reload failed before its staging ended; let go", event.table.name,
-                 event.table.generation)
+        t = event.table
+        log.info("table %s generation %d: its reload failed before its staging ended; let go", t.name, t.generation,
+                 extra=journal.fields(table=t.name, generation=t.generation))
 
     # -- a reload ----------------------------------------------------------------------------
 
-    def stage_next(self, fresh: dict[str, tuple[Sidecar, Manifest]]) -> list[TableState]:
-        """The next generation of each new or changed table, planned, to be staged beside the served ones."""
+    def stage_next(self, fresh: dict[str, tuple[Sidecar, Manifest]],
+                   pages: Mapping[str, PagePlan] = MappingProxyType({})) -> list[TableState]:
+        """The next generation of each new or changed table, planned, to be staged beside the served ones on its
+        ``pages``."""
         for name, (sidecar, manifest) in fresh.items():
             old = self._served.get(name)
-            t = self._next[name] = TableState(name, sidecar, manifest, generation=(old.generation + 1) if old else 1)
+            t = self._next[name] = TableState(name, sidecar, manifest, generation=(old.generation + 1) if old else 1,
+                                              pages=pages.get(name))
             log.info("reload: staging table %s as generation %d%s", name, t.generation,
-                     f" next to generation {old.generation}" if old else " (new table)")
+                     f" next to generation {old.generation}" if old else " (new table)",
+                     extra=journal.fields(table=name, generation=t.generation))
         return list(self._next.values())
 
     def switch(self, plan: ReloadPlan) -> None:
@@ -159,7 +173,7 @@ class Registry:
         old.region.close()
         log.info("table %s generation %d released (%s); %d connected client(s) attached to it; its memory is "
                  "freed when the last process that maps it or holds its fd lets it go", old.name, old.generation, why,
-                 holders)
+                 holders, extra=journal.fields(table=old.name, generation=old.generation))
 
     # -- at stop -----------------------------------------------------------------------------
 

@@ -22,8 +22,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pled.daemon import planning
+from pled.daemon import journal, planning
 from pled.daemon.config import Config
+from pled.daemon.counters import Counters
 from pled.daemon.events import Planned, PlanningFailed
 from pled.daemon.notify import Notifier
 from pled.daemon.planning import ReloadPlan
@@ -49,7 +50,8 @@ class Reload:
 
 
 # The settings a reload puts in force (socket and fdstore_max are read only at start; tables are reported by name).
-RELOADED_SETTINGS = ("huge_pages", "headroom_margin", "staging_bandwidth", "allow_uids", "allow_groups")
+RELOADED_SETTINGS = ("huge_pages", "huge_page_size", "numa", "headroom_margin", "staging_bandwidth", "allow_uids",
+                     "allow_groups", "metrics_file", "metrics_interval")
 
 
 def summary(plan: ReloadPlan, fresh: dict[str, TableState], served: dict[str, TableState], old: Config) -> dict:
@@ -63,13 +65,23 @@ def summary(plan: ReloadPlan, fresh: dict[str, TableState], served: dict[str, Ta
     }
 
 
+def journal_fields(reply: dict) -> dict:
+    """A reload's journal fields: a PLED_TABLE for each table it changed, added or removed, and PLED_GENERATION
+    where that is one table with a new generation."""
+    names = reply["changed"] + reply["added"] + reply["removed"]
+    one = names[0] if len(names) == 1 else None
+    return journal.fields("reload_done", table=names, generation=reply["generations"].get(one))
+
+
 class Reloader:
     def __init__(self, registry: Registry, stager: Stager, notifier: Notifier, *, proc_root: str,
                  stopping: threading.Event, answer: Callable[[Session, Reply], None], announce: Callable[[], None],
-                 config_changed: Callable[[Config], None]) -> None:
+                 config_changed: Callable[[Config], None], counters: Counters) -> None:
         """``answer(conn, reply)`` sends a caller's later reply; ``announce()`` sends READY=1 and what is served
-        once a reload has ended; ``config_changed(config)`` is told of the config a reload put in force."""
+        once a reload has ended; ``config_changed(config)`` is told of the config a reload put in force;
+        ``counters`` counts the reloads done and failed."""
         self.registry = registry
+        self.counters = counters
         self.stager = stager
         self.notifier = notifier
         self.proc_root = proc_root
@@ -97,8 +109,8 @@ class Reloader:
         self.notifier.send("RELOADING=1", f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}",
                            f"STATUS=reloading {source}")
         self.current = Reload(callers=[caller] if caller else [])
-        served = self.registry.identities()
-        self.stager.run("planned", lambda: Planned(planning.plan_reload(source, served, self.proc_root)),
+        served, served_pages = self.registry.identities(), self.registry.page_sizes()
+        self.stager.run("planned", lambda: Planned(planning.plan_reload(source, served, self.proc_root, served_pages)),
                         on_error=PlanningFailed)
         return PENDING if caller else None
 
@@ -119,12 +131,13 @@ class Reloader:
             return  # stopped meanwhile
         if isinstance(event, PlanningFailed):
             err = event.error
-            self.fail(str(err) if isinstance(err, PledError) else f"{type(err).__name__}: {clip(err)}")
+            self.fail(str(err) if isinstance(err, PledError) else f"{type(err).__name__}: {clip(err)}",
+                      getattr(err, "table", None))
             return
         plan = self.current.plan = event.plan
         if plan.verdict is not None:
             log.info("reload %s", plan.verdict.message)
-        fresh = self.registry.stage_next(plan.fresh)
+        fresh = self.registry.stage_next(plan.fresh, plan.pages)
         if fresh:
             self.stager.stage(fresh, self, plan.config)  # copied as the re-read config says (its huge_pages, bandwidth)
         else:
@@ -151,16 +164,20 @@ class Reloader:
         reply = summary(r.plan, dict(self.registry.next), dict(self.registry.tables), self.registry.config)
         self.registry.switch(r.plan)
         self.config_changed(self.registry.config)
+        self.counters.reload_ended("done")
         log.info("reload done in %.1f s: %s", time.monotonic() - r.started,
                  ", ".join(f"{k} {', '.join(v)}" for k, v in reply.items() if v and k != "generations")
-                 or "nothing changed")
+                 or "nothing changed", extra=journal_fields(reply))
         self._after(r.callers, Reply(protocol.reply(**reply)))
 
-    def fail(self, why: str) -> None:
-        """Nothing changes: the new generations staged so far are let go, the callers told why."""
+    def fail(self, why: str, table: str | None = None) -> None:
+        """Nothing changes: the new generations staged so far are let go, the callers told why. ``table``: the one
+        whose files were refused, if that was why."""
         r, self.current = self.current, None
+        tables = [table] if table else list(self.registry.next)  # what the reload was about: the journal's PLED_TABLE
         self.registry.drop_next()
-        log.error("reload failed, nothing changed: %s", why)
+        self.counters.reload_ended("failed")
+        log.error("reload failed, nothing changed: %s", why, extra=journal.fields("reload_failed", table=tables))
         self._after(r.callers if r else [], Reply(protocol.error(protocol.RELOAD_FAILED, reason=clip(why, 2000))))
 
     def _after(self, callers: list[Session], reply: Reply) -> None:

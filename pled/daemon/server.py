@@ -19,8 +19,9 @@ import stat
 import time
 from collections.abc import Callable
 
-from pled.daemon import fdlimit
+from pled.daemon import fdlimit, journal
 from pled.daemon.access import Policy, peer_of
+from pled.daemon.counters import Counters
 from pled.daemon.listener import bind
 from pled.daemon.loop import READ, WRITE, Loop
 from pled.daemon.session import CALL_TIMEOUT, Outgoing, Reply, Session, fd_budget_drops, unread_drops
@@ -42,8 +43,9 @@ Handler = Callable[[Session, str, dict], "Reply | object"]
 
 class Server:
     def __init__(self, path: str, policy: Policy, handler: Handler, on_close: Callable[[Session], None], loop: Loop,
-                 *, max_connections: int, max_fds_per_uid: int) -> None:
+                 *, max_connections: int, max_fds_per_uid: int, counters: Counters) -> None:
         self.path = path
+        self.counters = counters
         self.policy = policy
         self.handler = handler
         self.on_close = on_close
@@ -117,7 +119,9 @@ class Server:
         if why is None and len(uids) >= self.max_connections and not self._make_room():
             why = f"all {len(uids)} connections are attached or busy (the cap, from the open-file limit)"
         if why is not None:
-            self._throttle.log(("refuse", peer.uid), log.warning, "refusing %s: %s", peer.describe(), why)
+            self.counters.refuse("connection_cap" if len(uids) >= self.max_connections else "uid_share")
+            self._throttle.log(("refuse", peer.uid), log.warning, "refusing %s: %s", peer.describe(), why,
+                               extra=journal.fields("client_refused", peer=peer))
         return why is None
 
     def _make_room(self) -> bool:
@@ -128,7 +132,7 @@ class Server:
         victim = min(idle, key=lambda c: c.last_active)
         self._throttle.log("evict", log.warning, "at the cap of %d connections: closing idle connections (no table, no "
                            "call) to admit new clients, first %s", self.max_connections, victim.peer.describe())
-        self._drop(victim, None)
+        self._drop(victim, None, "idle_evicted")
         return True
 
     def _pause(self, err: OSError) -> None:
@@ -157,8 +161,8 @@ class Server:
                 self._pump(conn)  # the reply went: the calls that waited behind it
         except Exception as err:  # a bug handling one connection ends that connection, never the loop
             self._throttle.log(("bug", type(err).__name__), log.exception, "dropping %s: handling it failed: %s",
-                               conn.peer.describe(), clip(err))
-            self._drop(conn, None)
+                               conn.peer.describe(), clip(err), extra=journal.fields("client_dropped", peer=conn.peer))
+            self._drop(conn, None, "internal_error")
 
     def _live(self, conn: Session) -> bool:
         return self.connections.get(conn.fd) is conn and not conn.closing
@@ -190,8 +194,7 @@ class Server:
         self._pump(conn)
 
     def answer(self, conn: Session, reply: Reply) -> None:
-        """The later reply to a call whose handler returned PENDING; then the calls received behind it (replies
-        keep call order)."""
+        """The later reply to a call that got PENDING; then the calls received behind it (replies keep call order)."""
         conn.pending = max(0, conn.pending - 1)
         self.send(conn, reply)
         self._ready(conn, 0)
@@ -205,15 +208,15 @@ class Server:
         self._watch(conn)
 
     def _watch(self, conn: Session) -> None:
-        """Write while a reply waits; read only when none does: a peer that does not read its replies gets
-        no more of them, and its calls wait in its own socket buffer."""
+        """Write while a reply waits, else read: a peer that leaves replies unread gets no more (its calls wait)."""
         if self._loop is not None and self.connections.get(conn.fd) is conn:
             self._loop.want(conn.sock, WRITE if conn.out else READ)
 
     def _dispatch(self, conn: Session, raw: bytes) -> None:
         if not conn.allowed:
+            self.counters.refuse("access")
             log.warning("refused %s: not root, not pled's user or group, not in allow_uids or allow_groups",
-                        conn.peer.describe())
+                        conn.peer.describe(), extra=journal.fields("client_refused", peer=conn.peer))
             self.send(conn, Reply(protocol.error(protocol.PERMISSION_DENIED, uid=conn.peer.uid), close_after=True))
             return
         try:
@@ -234,7 +237,9 @@ class Server:
             self.send(conn, result)
 
     def _fail(self, conn: Session, name: str, reason: str) -> None:
-        self._throttle.log(("fail", conn.peer.uid), log.warning, "dropping %s: %s", conn.peer.describe(), clip(reason))
+        self.counters.drop("invalid_message")  # the connection closes once its error reply is written
+        self._throttle.log(("fail", conn.peer.uid), log.warning, "dropping %s: %s", conn.peer.describe(), clip(reason),
+                           extra=journal.fields("client_dropped", peer=conn.peer))
         self.send(conn, Reply(protocol.error(name, reason=clip(reason)), close_after=True))
 
     # -- replies -----------------------------------------------------------------------------
@@ -247,7 +252,7 @@ class Server:
                 return
             data = protocol.encode(reply.message)
             for victim, why in unread_drops(conn, list(self.connections.values()), len(data)):
-                self._drop(victim, why)
+                self._drop(victim, why, "unread_replies")
             if not self._live(conn):
                 return
             conn.queue(self._outgoing(conn, data, reply))
@@ -255,8 +260,8 @@ class Server:
             self._flush(conn)
         except Exception as err:
             self._throttle.log(("send", type(err).__name__), log.exception, "dropping %s: sending a reply failed: %s",
-                               conn.peer.describe(), clip(err))
-            self._drop(conn, None)
+                               conn.peer.describe(), clip(err), extra=journal.fields("client_dropped", peer=conn.peer))
+            self._drop(conn, None, "internal_error")
 
     def _outgoing(self, conn: Session, data: bytes, reply: Reply) -> Outgoing:
         """The reply with fds of its own for its regions; without a free fd, the caller's error instead."""
@@ -272,7 +277,7 @@ class Server:
         """Bound the region fds sent and not yet received, per connection and per peer uid: past a bound the
         greediest connection goes, named (session.fd_budget_drops), and the others are unaffected."""
         for victim, why in fd_budget_drops(conn, list(self.connections.values()), n, self.max_fds_per_uid):
-            self._drop(victim, why)
+            self._drop(victim, why, "fds_in_flight")
         return self._live(conn)
 
     def _flush(self, conn: Session) -> None:
@@ -311,16 +316,18 @@ class Server:
         if greedy is None or greedy.fds_in_flight() == 0:
             greedy = conn
         self._drop(greedy, f"the kernel refuses to send more table fds (ETOOMANYREFS); this connection holds "
-                           f"{greedy.fds_in_flight()} unread")
+                           f"{greedy.fds_in_flight()} unread", "fds_in_flight")
         return greedy is not conn and self._live(conn)
 
-    def _drop(self, conn: Session, why: str | None) -> None:
+    def _drop(self, conn: Session, why: str | None, reason: str = "") -> None:
         if self.connections.get(conn.fd) is not conn:
             return
         del self.connections[conn.fd]
+        self.counters.drop(reason)  # counters.DROPPED; "" (the peer's own close, a stop) counts nothing
         conn.discard()  # the fds of replies it will never read
         if why:
-            self._throttle.log(("drop", conn.peer.pid), log.warning, "dropping %s: %s", conn.peer.describe(), why)
+            self._throttle.log(("drop", conn.peer.pid), log.warning, "dropping %s: %s", conn.peer.describe(), why,
+                               extra=journal.fields("client_dropped", peer=conn.peer))
         if self._loop is not None:
             self._loop.unwatch(conn.sock)
         conn.sock.close()
@@ -333,12 +340,11 @@ class Server:
                                conn.peer.describe(), clip(err))
 
     def expire(self, now: float | None = None) -> None:
-        """Drop connections stuck with half a call or an unread reply for longer than CALL_TIMEOUT; let the
-        listener accept again once its pause is over."""
+        """Drop connections stuck past CALL_TIMEOUT (half a call, an unread reply); end the listener's pause if due."""
         now = time.monotonic() if now is None else now
         if self._paused_until is not None and now >= self._paused_until:
             self._resume()
         for conn in list(self.connections.values()):
             if conn.stalled_since is not None and now - conn.stalled_since > CALL_TIMEOUT:
                 what = "an unread reply" if conn.out else "half a message"
-                self._drop(conn, f"{what} for over {CALL_TIMEOUT:.0f} s")
+                self._drop(conn, f"{what} for over {CALL_TIMEOUT:.0f} s", "timeout")

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from pled.daemon import events, staging
+from pled.daemon import events, journal, staging
 from pled.daemon.config import Config
 from pled.daemon.loop import drain
 from pled.daemon.tables import TableState
@@ -87,12 +87,13 @@ class Stager:
                 t.copy.shard_copied(shard.size)
                 self._reading[me] = (t, time.monotonic())
                 log.info("table %s: shard %d/%d %s %s in %.0f ms (%s)", t.name, shard.index + 1, n, shard.name,
-                         gib(shard.size), seconds * 1000, rate(shard.size, seconds))
+                         gib(shard.size), seconds * 1000, rate(shard.size, seconds),
+                         extra=journal.fields(table=t.name, generation=t.generation))
 
             try:
                 r = staging.stage(t.name, t.sidecar, planned=t.manifest, huge_pages=huge_pages,
                                   sys_root=self._sys_root, on_shard=on_shard, should_stop=self._stop.is_set,
-                                  bandwidth=bandwidth)
+                                  bandwidth=bandwidth, pages=t.pages)
             except staging.StagingCancelled as err:
                 self._post(events.StagingCancelled(t, str(err), owner))
                 return

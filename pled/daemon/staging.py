@@ -5,6 +5,9 @@ through a second buffer; each chunk's file pages are dropped as soon as they are
 copied, so the transient page cache is a chunk or two, not a table. When every
 shard is in, every writable mapping is gone and the memfd is sealed against
 shrinking, growing and writing: no client can ever change the table.
+
+The memfd is made on the pages and NUMA nodes planned for the table (regionfd.py). A hugetlb one has no
+write path: the whole region, header included, is filled through a writable mapping, and hashed from it.
 """
 from __future__ import annotations
 
@@ -18,6 +21,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from pled.daemon import regionfd
+from pled.daemon.pageplan import PagePlan, human
 from pled.daemon.sidecar import Shard, Sidecar
 from pled.shared import hugepages, region
 from pled.shared.boundary import BoundaryError, open_regular
@@ -32,6 +37,7 @@ log = logging.getLogger(__name__)
 CHUNK = 64 * 1024 * 1024
 SENDFILE = "sendfile"  # kernel copy, page cache -> shmem: fastest with 4 KiB pages
 FAULT = "fault"  # read() into a MADV_HUGEPAGE mapping: page faults are what allocate huge pages
+HUGETLB = "hugetlb"  # read() into a mapping of reserved huge pages, every one allocated beforehand
 
 
 class StagingCancelled(PledError):
@@ -77,8 +83,19 @@ def _plan_fill_from(huge_pages: str, sys_root: str) -> FillPlan:
 @dataclass(frozen=True)
 class StageStats:
     seconds: float
-    huge_bytes: int  # bytes of the region backed by 2 MiB pages, as mapped while filling
+    huge_bytes: int  # bytes of the region backed by huge pages: as mapped while filling (THP), or all (hugetlb)
     fill: FillPlan
+    pages: PagePlan | None = None  # the pages it was staged on (a prefer-hugetlb table's fallback included)
+
+    @property
+    def page_size(self) -> int:
+        """The hugetlb page size; 0 on shared memory."""
+        return self.pages.page_size if self.pages else 0
+
+    @property
+    def numa(self) -> str:
+        """The NUMA policy its pages were placed by, as numa_maps writes it; "" where none was applied."""
+        return self.pages.numa.label if self.pages and not self.pages.numa.refused else ""
 
 
 def _drop_cache(fd: int, offset: int, length: int, path: str) -> None:
@@ -179,16 +196,19 @@ def stage(
     bandwidth: int | None = None,
     digests: bool = True,
     chunk: int = CHUNK,
+    pages: PagePlan | None = None,
 ) -> Region:
     """Stage ``sidecar`` into a new sealed memfd; the caller owns the returned Region.
     ``planned``: the region's plan (the daemon's, made once by planning.py); planned here when not given.
-    ``digests=False`` skips hashing (the benchmark's baseline for what hashing costs). ``chunk``: bytes copied
-    (and dropped from the page cache) at a time; ``should_stop`` is asked before each chunk."""
+    ``pages``: the pages and NUMA policy decided for it (pageplan.py); without one, shared memory as
+    ``huge_pages`` says and no NUMA policy. ``digests=False`` skips hashing (the benchmark's baseline for what
+    hashing costs). ``chunk``: bytes copied (and dropped from the page cache) at a time; ``should_stop`` is asked
+    before each chunk."""
     planned = region.plan(table, sidecar) if planned is None else planned
-    fill = _plan_fill_from(huge_pages, sys_root)
-    fd = os.memfd_create(f"pled:{table}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    fd, pages = regionfd.create(table, planned.region_bytes, pages)
     try:
-        os.ftruncate(fd, planned.region_bytes)
+        fill = (FillPlan(HUGETLB, f"hugetlb {human(pages.page_size)}", "") if pages and pages.hugetlb
+                else _plan_fill_from(pages.shmem_mode if pages else huge_pages, sys_root))
         start = time.perf_counter()
         manifest, huge_bytes = _fill(fd, planned, sidecar, fill, on_shard, Pacer(bandwidth, should_stop, chunk), table,
                                      digests)
@@ -198,22 +218,30 @@ def stage(
     except BaseException:
         os.close(fd)  # a half-built region frees its memory with its last fd
         raise
-    return Region(fd, manifest, StageStats(seconds, huge_bytes, fill))
+    return Region(fd, manifest, StageStats(seconds, huge_bytes, fill, pages))
 
 
 _HASH_CHUNK = 4 * 1024 * 1024
 
 
-def _digests(fd: int, offset: int, size: int, shipped: str | None) -> tuple[str, str | None]:
+def _digests(fd: int, offset: int, size: int, shipped: str | None,
+             mapped: memoryview | None = None) -> tuple[str, str | None]:
     """Digest a shard's bytes in the region, read with pread in chunks: a mapping would cost a page fault
-    per 4 KiB page, which contends with the copy still writing the same memfd."""
+    per 4 KiB page, which contends with the copy still writing the same memfd. A hugetlb region's are read
+    from its fill mapping (``mapped``): its pages are mapped already, a few entries per GiB."""
     hashers = {algo: new_hasher(algo) for algo in {OWN, shipped} - {None}}
-    view = memoryview(bytearray(_HASH_CHUNK))
+    buffer = memoryview(bytearray(_HASH_CHUNK if mapped is None else 0))
     done = 0
     while done < size:
-        n = os.preadv(fd, [view[: min(_HASH_CHUNK, size - done)]], offset + done)
-        for hasher in hashers.values():
-            hasher.update(view[:n])
+        want = min(_HASH_CHUNK, size - done)
+        if mapped is not None:
+            part, n = mapped[offset + done: offset + done + want], want
+        else:
+            part = buffer[:want]
+            n = os.preadv(fd, [part], offset + done)
+        with part:
+            for hasher in hashers.values():
+                hasher.update(part[:n])
         done += n
     return f"{OWN}:{hashers[OWN].hexdigest()}", (hashers[shipped].hexdigest() if shipped else None)
 
@@ -232,9 +260,10 @@ def _check_digest(sidecar: Sidecar, shard: Shard, actual: str | None) -> None:
 def _fill(fd, manifest, sidecar, fill, on_shard, pacer, table, hashing: bool = True) -> tuple[Manifest, int]:
     """Copy every shard in, hash each one from memory while the next is copied, write the final header."""
     m = view = None
-    if fill.method == FAULT:
+    if fill.method in (FAULT, HUGETLB):  # hugetlbfs has no write path: the mapping is the only way in
         m = mmap.mmap(fd, manifest.region_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        m.madvise(mmap.MADV_HUGEPAGE)
+        if fill.method == FAULT:
+            m.madvise(mmap.MADV_HUGEPAGE)
         view = memoryview(m)
     hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pled-hash")
     digests = []
@@ -248,7 +277,8 @@ def _fill(fd, manifest, sidecar, fill, on_shard, pacer, table, hashing: bool = T
             _copy_shard(shard, entry.offset, fd, view, pacer, table)
             if hashing:
                 shipped = sidecar.expected_digests.get(shard.name, (None,))[0]
-                digests.append(hasher.submit(_digests, fd, entry.offset, entry.size, shipped))
+                digests.append(hasher.submit(_digests, fd, entry.offset, entry.size, shipped,
+                                             view if fill.method == HUGETLB else None))
             # Zero the alignment padding too: every page of the region is then allocated once, here,
             # so the region is exactly as large as the preflight said, and a client's read of a
             # padding page never allocates one on its own account.
@@ -256,6 +286,9 @@ def _fill(fd, manifest, sidecar, fill, on_shard, pacer, table, hashing: bool = T
             _write(fd, view, end, bytes(region.align(end) - end))
             if on_shard:
                 on_shard(shard, entry.offset, time.perf_counter() - t)
+        tail = region.align(end) if sidecar.shards else manifest.data_offset
+        if tail < manifest.region_bytes and fill.method != HUGETLB:  # planned on 1 GiB pages, fallen back to shmem
+            os.posix_fallocate(fd, tail, manifest.region_bytes - tail)  # allocated too, as hugetlb's would be
         done = [f.result() for f in digests]
         for shard, (_, shipped) in zip(sidecar.shards, done, strict=False):  # done is [] when not hashing
             _check_digest(sidecar, shard, shipped)
@@ -264,7 +297,9 @@ def _fill(fd, manifest, sidecar, fill, on_shard, pacer, table, hashing: bool = T
         if len(header) != planned_length:
             raise AssertionError("a digest changed the manifest's length")  # DIGEST_PLACEHOLDER has their length
         _write(fd, view, 0, header)
-        huge = hugepages.pmd_mapped_bytes(mapping_address(m)) if fill.method == FAULT else 0
+        huge = manifest.region_bytes if fill.method == HUGETLB else 0
+        if fill.method == FAULT:
+            huge = hugepages.pmd_mapped_bytes(mapping_address(m))
         return final, huge
     finally:
         for f in digests:
@@ -290,8 +325,9 @@ def describe_ready(r: Region) -> str:
     """The log line for a staged table: size, time, rate, huge-page share."""
     m, s = r.manifest, r.stats
     share = s.huge_bytes / m.region_bytes if m.region_bytes else 0.0
+    pages = s.fill.policy if s.fill.method == HUGETLB else f"shmem_enabled: {s.fill.policy}"
     line = (
         f"table {m.table} staged: {gib(m.source_bytes)} in {len(m.shards)} shards, {s.seconds * 1000:.0f} ms "
-        f"({rate(m.source_bytes, s.seconds)}), huge pages {share:.0%} (shmem_enabled: {s.fill.policy}), sealed"
+        f"({rate(m.source_bytes, s.seconds)}), huge pages {share:.0%} ({pages}), sealed"
     )
-    return line + (f"; {s.fill.note}" if s.fill.note else "")
+    return line + (f", NUMA {s.numa}" if s.numa else "") + (f"; {s.fill.note}" if s.fill.note else "")

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from pled import __version__
+from pled.daemon import pageplan
+from pled.daemon.pageplan import PagePlan
 from pled.daemon.sidecar import Sidecar
 from pled.shared import protocol, region
 from pled.shared.boundary import clip
@@ -129,6 +131,8 @@ class TableState:
     error: str = ""
     resident_share: float | None = None  # at the last check
     source_check: SourceCheck = field(default_factory=SourceCheck, repr=False)
+    pages: PagePlan | None = None  # the pages it is staged on, as decided before staging; None when adopted
+    _pages_status: tuple | None = field(default=None, init=False, repr=False)  # (region, its page keys in Status)
 
     @property
     def state(self) -> State:
@@ -156,30 +160,36 @@ class TableState:
         self.resident_share = resident / self.manifest.region_bytes
         return resident
 
+    def pages_status(self, r: Region) -> dict:
+        """Status's page and NUMA keys for its region ``r`` (pageplan.status_fields), read from the memfd once."""
+        if self._pages_status is None or self._pages_status[0] is not r:
+            self._pages_status = (r, pageplan.status_fields(r.fd, self.manifest.region_bytes, r.stats, self.pages))
+        return self._pages_status[1]
+
     def sources(self) -> str:
         """Whether the files this generation was staged from are still there as they were: from a worker
         thread, waited for at most SOURCES_WAIT (the loop never stats a source file itself)."""
         return self.source_check.result(self.manifest.shards)
 
-    def describe(self) -> dict:
+    def describe(self, sources: bool = True) -> dict:
+        """The table in Status; without ``sources`` (the metrics' snapshot) nothing here can block."""
         out = {
             **self.progress(), "origin": self.origin, "layout": self.manifest.layout, "rows": self.manifest.rows,
             "row_width": self.manifest.row_width, "region_bytes": self.manifest.region_bytes,
             "generation": self.generation, "fingerprint": self.manifest.fingerprint,
-            "content_digest": self.manifest.content_digest or None, "sources": self.sources(),
+            "content_digest": self.manifest.content_digest or None, **({"sources": self.sources()} if sources else {}),
             "error": self.error or None,
         }
         r = self.region
         if r is not None and not r.closed:
             stats = r.stats
+            seconds = stats.seconds if stats else 0.0
             out.update(
                 resident_bytes=self.measure(),
-                huge_page_bytes=stats.huge_bytes if stats else None,
-                page_size=("2 MiB" if stats.huge_bytes else "4 KiB") if stats else None,
-                huge_page_policy=stats.fill.policy if stats else None,
-                huge_page_note=stats.fill.note if stats else "",
+                **self.pages_status(r),  # huge_page_bytes, page_size, page_size_bytes, huge_page_policy, _note, numa
                 sealed=region.is_sealed(r.fd),
                 staging_seconds=round(stats.seconds, 3) if stats else None,
+                staging_bytes_per_second=round(self.manifest.source_bytes / seconds) if seconds else None,
             )
             out["resident_share"] = self.resident_share
         return out
@@ -205,10 +215,13 @@ def serving_line(tables: list[TableState], clients: int) -> str:
     return f"serving {len(tables)} table(s), {gib(total)}{resident}; {clients} client(s)"
 
 
-def status_reply(*, started: float, socket: str, tables: list[TableState], connections, reload: dict | None) -> dict:
-    """The io.pled.Status reply."""
-    for t in tables:  # every table's check under way at once: one SOURCES_WAIT at most for all of them
+def status_reply(*, started: float, socket: str, tables: list[TableState], connections, reload: dict | None,
+                 daemon: dict, sources: bool = True) -> dict:
+    """The io.pled.Status reply (``daemon``: the daemon's own figures); ``sources=False`` leaves out the stat of
+    the source files (the metrics' snapshot)."""
+    for t in tables if sources else ():  # every table's check under way at once: one SOURCES_WAIT at most for all
         t.source_check.start(t.manifest.shards)
+    connections = list(connections)
     clients = [
         {"pid": c.peer.pid, "uid": c.peer.uid, "command": c.peer.command, "tables": sorted(c.attached),
          "generations": dict(c.attached), "connected_seconds": round(time.monotonic() - c.since, 1)}
@@ -216,5 +229,8 @@ def status_reply(*, started: float, socket: str, tables: list[TableState], conne
     ]
     return {
         "version": __version__, "pid": os.getpid(), "uptime_seconds": round(time.monotonic() - started, 1),
-        "socket": socket, "tables": [t.describe() for t in tables], "clients": clients, "reload": reload,
+        "socket": socket,
+        "tables": [t.describe(sources) | {"clients": sum(1 for c in connections if t.name in c.attached)}
+                   for t in tables],
+        "clients": clients, "reload": reload, "daemon": daemon,
     }

@@ -21,6 +21,7 @@ class PledError(Exception):
     """Root of pled's errors. ``exit_status`` is what the CLI exits with."""
 
     exit_status = EX_FAILURE
+    table: str | None = None  # the table it is about, where it is about one (the journal's PLED_TABLE)
 
 
 class FileRefused(PledError):

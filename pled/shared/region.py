@@ -7,7 +7,7 @@
                       identity, offset, size, header fingerprint), tensors
                       (dtype, shape, absolute offset)
     data offset       shard 0, byte for byte as its file, at a 2 MiB boundary
-    ...               shard i at the next 2 MiB boundary after shard i-1
+    ...               shard i at the next 2 MiB boundary after shard i-1; the end at one too (hugetlb: a page's)
 
 A region can be recognised and used from its own bytes alone, without its
 source files. This module is shared by the daemon and its clients: it needs
@@ -44,6 +44,7 @@ SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_S
 MAX_MANIFEST = 64 * 1024 * 1024
 MANIFEST_DEPTH = 4
 MAX_DIMS = 64  # more than any tensor has: a longer shape is refused before its size is worked out
+_PAGED_SLACK = 20  # header bytes kept free for a longer region_bytes (Manifest.paged): a u64 has at most 20 digits
 # The dtypes a region's tensors may have, bits per element: the safetensors format's. pled's sidecar reader stages
 # exactly these (pled.daemon.safetensors_file uses this table), and a client refuses a region with any other.
 DTYPE_BITS = {
@@ -53,8 +54,8 @@ DTYPE_BITS = {
 }
 
 
-def align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
+def align(n: int, unit: int = ALIGN) -> int:
+    return -(-n // unit) * unit
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,10 @@ class Manifest:
     def identity(self) -> Manifest:
         """The manifest without content digests: what staging the same files would plan again."""
         return replace(self, shards=tuple(replace(s, digest="") for s in self.shards))
+
+    def paged(self, page_size: int) -> Manifest:
+        """This plan on ``page_size`` pages (hugetlb): the size rounded up to whole pages, all else as planned."""
+        return replace(self, region_bytes=align(self.region_bytes, page_size)) if page_size > ALIGN else self
 
     def with_digests(self, digests: list[str]) -> Manifest:
         return replace(self, shards=tuple(replace(s, digest=d) for s, d in zip(self.shards, digests, strict=True)))
@@ -223,9 +228,9 @@ def plan(table: str, sidecar) -> Manifest:
             offset = align(offset + s.size)
         manifest = Manifest(table, sidecar.layout, sidecar.rows, sidecar.row_width, data_offset, offset,
                             fingerprint, tuple(shards), tuple(tensors))
-        if _PREFIX.size + len(manifest.to_json()) <= data_offset:
+        if _PREFIX.size + len(manifest.to_json()) + _PAGED_SLACK <= data_offset:
             return manifest
-        data_offset = align(_PREFIX.size + len(manifest.to_json()))
+        data_offset = align(_PREFIX.size + len(manifest.to_json()) + _PAGED_SLACK)
 
 
 def encode_header(manifest: Manifest) -> bytes:
