@@ -423,6 +423,12 @@ def test_pled_service_under_systemd_pid1(fence, private_users):
         "PLED_TABLE": "ples_int4", "PLED_GENERATION": "1", "PLED_CLIENT_PID": vllm["MainPID"],
         "PLED_CLIENT_UID": client_uid}, attached
     assert sum(e["MESSAGE"].startswith("table ples_int4: shard ") for e in entries) == 4  # its staging, shard by shard
+    # NUMA placement under the unit's system-call filter (mbind let through): the policy pled gave the region is
+    # the memfd's own, so the client's mapping shows it (one node with memory here: interleave over node 0).
+    assert "NUMA not placed" not in log, log
+    numa_maps = pid1.inside("cat", f"/proc/{vllm['MainPID']}/numa_maps")
+    region = [line for line in numa_maps.splitlines() if "memfd:pled:ples_int4" in line]
+    assert region and all(line.split()[1] == "interleave:0" for line in region), numa_maps
     uid_map = pid1.inside("cat", f"/proc/{first['MainPID']}/uid_map").split()
     assert (uid_map == ["0", "0", "1", ids["pled"], ids["pled"], "1"]) if private_users else uid_map[2] == "4294967295"
 
