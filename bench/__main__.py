@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench import offload, report, soak, status_cli, table_gather  # sections 5-8 of the report, by their numbers
+from bench import hugepages, offload, report, soak, status_cli, table_gather  # sections 5-9 of the report, by number
 from pled.daemon import staging
 from pled.daemon.sidecar import open_table
 from pled.generator import make_sidecar
@@ -384,6 +384,7 @@ def main() -> int:
                                                     a.requests, a.ids)
                     res["table_gather"]["huge pages"] = table_gather.run(huge.socket, "ples_int4", max(5, a.repeats),
                                                                          a.requests, a.ids, settle, log)
+        res["hugepages"] = None if a.no_huge_pages else hugepages.bench(work, a.repeats, a.requests, a.ids, settle, log)
         # its own published-shape sidecar and pled: the worker refuses the benchmark's table of another shape
         res["offload_worker"] = offload.bench(work, lambda name, tables: start(work, tables, name=name, wait=None),
                                               a.repeats, a.requests, a.ids)
