@@ -111,15 +111,22 @@ def _status(args) -> int:
         return code
     up = int(st["uptime_seconds"])
     say(f"pled {st['version']}, pid {st['pid']}, up {up // 3600}h {up % 3600 // 60}m {up % 60}s, socket {st['socket']}")
-    say(f"{'TABLE':<16} {'STATE':<8} {'SHARDS':>9} {'SIZE':>10} {'RESIDENT':>8} {'HUGE':>5} {'GEN':>4}  FINGERPRINT")
+    say(f"{'TABLE':<16} {'STATE':<8} {'SHARDS':>9} {'SIZE':>10} {'RESIDENT':>8} {'HUGE':>5} {'PAGES':>7} {'GEN':>4}  "
+        "FINGERPRINT")
     notes = []
     for t in st["tables"]:
         resident = f"{t['resident_share']:.0%}" if "resident_share" in t else "-"
         huge = f"{t['huge_page_bytes'] / t['region_bytes']:.0%}" if t.get("huge_page_bytes") is not None else "-"
+        pages = (t.get("page_size") or "-").replace(" ", "")  # "2 MiB" -> "2MiB": one word a column
         say(f"{t['table']:<16} {t['state']:<8} {t['shards_done']:>4}/{t['shards']:<4} {gib(t['bytes']):>10} "
-              f"{resident:>8} {huge:>5} {t['generation']:>4}  {t['fingerprint'][:12]}")
+              f"{resident:>8} {huge:>5} {pages:>7} {t['generation']:>4}  {t['fingerprint'][:12]}")
         if t.get("huge_page_note"):
             notes.append(f"{t['table']}: {t['huge_page_note']}")
+        numa = t.get("numa") or {}
+        if numa.get("bytes_per_node"):
+            per_node = sorted(numa["bytes_per_node"].items(), key=lambda item: int(item[0]))
+            nodes = ", ".join(f"node {n} {gib(b)}" for n, b in per_node)
+            notes.append(f"{t['table']}: NUMA {numa.get('policy') or 'policy unknown'}: {nodes}")
         if t.get("error"):
             notes.append(f"{t['table']}: {t['error']}")
     for note in notes:

@@ -358,6 +358,11 @@ def test_status_command(sidecar, daemon, tmp_path):
         assert r.returncode == 0, r.stderr
         assert "ples_int4" in r.stdout and "ready" in r.stdout and "100%" in r.stdout
         assert "1 client(s) attached" in r.stdout
+        row = next(line.split() for line in r.stdout.splitlines() if line.startswith("ples_int4 "))
+        j = json.loads(run_pled("status", "--json", "--socket", pled.socket).stdout)["tables"][0]
+        assert row[-3] == j["page_size"].replace(" ", "") and row[-2] == "1", r.stdout  # PAGES, then GEN
+        policy = j["numa"]["policy"]
+        assert f"  note: ples_int4: NUMA {policy}: node 0 " in r.stdout, r.stdout
         by_config = run_pled("status", "-c", pled.config)  # the socket read from the config: the same answer
         assert by_config.returncode == 0 and by_config.stdout.splitlines()[1:] == r.stdout.splitlines()[1:], \
             by_config.stdout + by_config.stderr
