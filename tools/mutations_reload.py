@@ -58,11 +58,6 @@ MUTATIONS = [
     Mutation("a reload refused while opening one table's files does not say which table", "pled/daemon/planning.py",
              '            e.args = (f"table {clip(t.name)}: {e}",)\n', "",
              (RELOAD + "test_a_reload_refused_while_planning_names_the_table",)),
-    Mutation("a reload stages its tables with the served config's huge_pages, not the re-read one's",
-             "pled/daemon/reload.py", "self.stager.stage(fresh, self, plan.config)",
-             "self.stager.stage(fresh, self, self.registry.config)",
-             (RELOAD + "test_a_reload_stages_its_changed_tables_as_the_reread_config_says_and_keeps_the_others_as_they_"
-                       "are",)),
     Mutation("pled status --live exits 1 while a table stages (a liveness probe would kill a staging pled)",
              "pled/cli.py", "code = 0 if healthy or args.live else 1", "code = 0 if healthy else 1",
              (CODES + "test_status_exits_1_while_one_of_three_tables_is_still_staging",)),
