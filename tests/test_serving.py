@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from harness import run_pled
+from harness import run_pled, wait_until
 from pled import client
 from pled.daemon import server
 from pled.shared import protocol
@@ -363,6 +363,9 @@ def test_status_command(sidecar, daemon, tmp_path):
         assert row[-3] == j["page_size"].replace(" ", "") and row[-2] == "1", r.stdout  # PAGES, then GEN
         policy = j["numa"]["policy"]
         assert f"  note: ples_int4: NUMA {policy}: node 0 " in r.stdout, r.stdout
+        # Status reports the last residency measure (cachestat walks every page: 35 ms per 4 GiB), not one per call.
+        age = lambda: client.call(protocol.STATUS, socket=pled.socket)["tables"][0]["resident_measured_seconds_ago"]  # noqa: E731
+        wait_until(lambda: age() >= 0.5, 10, message=lambda: f"measured {age()} s ago at every call")
         by_config = run_pled("status", "-c", pled.config)  # the socket read from the config: the same answer
         assert by_config.returncode == 0 and by_config.stdout.splitlines()[1:] == r.stdout.splitlines()[1:], \
             by_config.stdout + by_config.stderr

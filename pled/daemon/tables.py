@@ -130,6 +130,8 @@ class TableState:
     region: Region | None = None
     error: str = ""
     resident_share: float | None = None  # at the last check
+    resident_bytes: int | None = None  # at the last check (every RESIDENCY_EVERY s, or the first Status)
+    resident_at: float = 0.0  # when (time.monotonic())
     source_check: SourceCheck = field(default_factory=SourceCheck, repr=False)
     pages: PagePlan | None = None  # the pages it is staged on, as decided before staging; None when adopted
     _pages_status: tuple | None = field(default=None, init=False, repr=False)  # (region, its page keys in Status)
@@ -155,10 +157,16 @@ class TableState:
         }
 
     def measure(self) -> int:
-        """Bytes of the region in memory now (cachestat on the memfd); keeps the share for STATUS=."""
+        """Bytes of the region in memory now (cachestat on the memfd); kept, with the share, for Status and STATUS=.
+        It costs the kernel a walk of the region's pages (35 ms for 4 GiB here), so Status reports the last one."""
         resident = cached_bytes_fd(self.region.fd)
+        self.resident_bytes, self.resident_at = resident, time.monotonic()
         self.resident_share = resident / self.manifest.region_bytes
         return resident
+
+    def last_residency(self) -> int:
+        """The last measure (measured now where this generation has none yet)."""
+        return self.measure() if self.resident_bytes is None else self.resident_bytes
 
     def pages_status(self, r: Region) -> dict:
         """Status's page and NUMA keys for its region ``r`` (pageplan.status_fields), read from the memfd once."""
@@ -185,7 +193,8 @@ class TableState:
             stats = r.stats
             seconds = stats.seconds if stats else 0.0
             out.update(
-                resident_bytes=self.measure(),
+                resident_bytes=self.last_residency(),
+                resident_measured_seconds_ago=round(time.monotonic() - self.resident_at, 1),
                 **self.pages_status(r),  # huge_page_bytes, page_size, page_size_bytes, huge_page_policy, _note, numa
                 sealed=region.is_sealed(r.fd),
                 staging_seconds=round(stats.seconds, 3) if stats else None,
