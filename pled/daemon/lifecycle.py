@@ -111,6 +111,7 @@ class Daemon:
                                  max_fds_per_uid=fdlimit.max_fds_in_flight(nofile), counters=self.counters)
             log.info("listening on %s", config.socket)
             self.stager.stage(to_stage, self.first_staging, config)
+            del to_stage, config  # the registry holds what is served: a reload's releases are not kept alive here
             if self.registry.all_ready():
                 self._on_all_ready()
             loop.watch(wake_r, lambda _events: self._dispatch_signals(wake_r))
