@@ -8,6 +8,7 @@ HostInfoUnavailable naming it, and the preflight decides what that means.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 # cgroup v1 reports "no limit" as PAGE_COUNTER_MAX pages (9223372036854771712 with
@@ -208,8 +209,30 @@ _FILES = {
 }
 
 
-def read_cgroup(root: str = "/") -> MemoryCgroup | None:
-    """This process's memory cgroup and every limited level above it, or None outside one."""
+@dataclass(frozen=True)
+class CgroupPlace:
+    """Where this process sits in one controller's hierarchy."""
+
+    version: int  # 1 or 2
+    path: str  # as /proc/self/cgroup names it
+    top: str  # the hierarchy's mount (under the root)
+    directory: str  # this process's cgroup in it (under the root)
+
+    def upwards(self) -> Iterator[tuple[str, str]]:
+        """(the level's name in the hierarchy, its directory), from this process's cgroup up to the top."""
+        directory = self.directory
+        while True:
+            rel = os.path.relpath(directory, self.top)
+            yield "/" if rel == "." else "/" + rel, directory
+            if os.path.normpath(directory) == os.path.normpath(self.top):
+                return
+            directory = os.path.dirname(directory)
+
+
+def locate_cgroup(controller: str, root: str = "/") -> CgroupPlace | None:
+    """This process's cgroup for ``controller`` ("memory", "hugetlb"): in its v1 hierarchy where one is mounted
+    (a hybrid host, v1 controllers beside a v2 tree without them, accounts there), else in the v2 tree; None
+    outside both."""
     text = _read(_join(root, "/proc/self/cgroup"))
     if text is None:
         return None
@@ -219,32 +242,33 @@ def read_cgroup(root: str = "/") -> MemoryCgroup | None:
         controllers, _, path = rest.partition(":")
         if hier == "0" and controllers == "":
             v2_path = path
-        elif "memory" in controllers.split(","):
+        elif controller in controllers.split(","):
             v1_path = path
     mounts = _mounts(root)
-    v1 = next((m for m in mounts if m.fstype == "cgroup" and "memory" in m.superopts), None)
+    v1 = next((m for m in mounts if m.fstype == "cgroup" and controller in m.superopts), None)
     v2 = next((m for m in mounts if m.fstype == "cgroup2"), None)
-    # A hybrid host (v1 memory controller beside a v2 tree without it) accounts memory in v1.
     if v1_path is not None and v1 is not None:
         version, mount, path = 1, v1, v1_path
     elif v2_path is not None and v2 is not None:
         version, mount, path = 2, v2, v2_path
     else:
         return None
-    top = _join(root, mount.mountpoint)
-    directory = _cgroup_dir(root, mount, path)
-    limit_file, usage_file, file_keys = _FILES[version]
+    return CgroupPlace(version, path, _join(root, mount.mountpoint), _cgroup_dir(root, mount, path))
+
+
+def read_cgroup(root: str = "/") -> MemoryCgroup | None:
+    """This process's memory cgroup and every limited level above it, or None outside one."""
+    place = locate_cgroup("memory", root)
+    if place is None:
+        return None
+    limit_file, usage_file, file_keys = _FILES[place.version]
     levels = []
-    while True:
+    for name, directory in place.upwards():
         limit = _int(os.path.join(directory, limit_file))
         if limit is not None and limit < UNLIMITED:
             usage = _int(os.path.join(directory, usage_file))
             if usage is None:
                 raise HostInfoUnavailable(os.path.join(directory, usage_file), "is missing beside its limit")
             reclaimable = _stat(os.path.join(directory, "memory.stat"), file_keys)
-            rel = os.path.relpath(directory, top)
-            levels.append(CgroupLevel("/" if rel == "." else "/" + rel, version, limit, usage, reclaimable))
-        if os.path.normpath(directory) == os.path.normpath(top):
-            break
-        directory = os.path.dirname(directory)
-    return MemoryCgroup(version, path, tuple(levels))
+            levels.append(CgroupLevel(name, place.version, limit, usage, reclaimable))
+    return MemoryCgroup(place.version, place.path, tuple(levels))

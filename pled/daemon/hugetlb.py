@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass
 
 # The cgroup plumbing is hostmem's: the mounts, and where our cgroup lies under one.
-from pled.daemon.hostmem import UNLIMITED, HostInfoUnavailable, _cgroup_dir, _int, _join, _mounts, _read
+from pled.daemon.hostmem import UNLIMITED, HostInfoUnavailable, _int, _join, locate_cgroup
 
 HUGEPAGES = "/sys/kernel/mm/hugepages"
 # linux/memfd.h: MFD_HUGETLB takes the page size's log2 in these bits (MFD_HUGE_2MB is 21 << 26).
@@ -140,46 +140,23 @@ _FILES = {
 def read_cgroup(page_size: int, root: str = "/") -> HugetlbCgroup | None:
     """This process's hugetlb cgroup and every level above it with a limit for ``page_size``; None where no
     hugetlb controller is mounted for it (v1) or enabled on its path (v2: the levels without the files)."""
-    text = _read(_join(root, "/proc/self/cgroup"))
-    if text is None:
+    place = locate_cgroup("hugetlb", root)
+    if place is None:
         return None
-    v1_path = v2_path = None
-    for line in text.splitlines():
-        hier, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        if hier == "0" and controllers == "":
-            v2_path = path
-        elif "hugetlb" in controllers.split(","):
-            v1_path = path
-    mounts = _mounts(root)
-    v1 = next((m for m in mounts if m.fstype == "cgroup" and "hugetlb" in m.superopts), None)
-    v2 = next((m for m in mounts if m.fstype == "cgroup2"), None)
-    if v1_path is not None and v1 is not None:
-        version, mount, path = 1, v1, v1_path
-    elif v2_path is not None and v2 is not None:
-        version, mount, path = 2, v2, v2_path
-    else:
-        return None
-    top = _join(root, mount.mountpoint)
-    directory = _cgroup_dir(root, mount, path)
     name = size_name(page_size)
-    limit_file, usage_file, rsvd_limit_file, rsvd_usage_file = (f.format(name) for f in _FILES[version])
+    limit_file, usage_file, rsvd_limit_file, rsvd_usage_file = (f.format(name) for f in _FILES[place.version])
     levels = []
-    while True:
+    for level, directory in place.upwards():
         limit = _int(os.path.join(directory, limit_file))
         rsvd_limit = _int(os.path.join(directory, rsvd_limit_file))
         if (limit is not None and limit < UNLIMITED) or (rsvd_limit is not None and rsvd_limit < UNLIMITED):
             usage = _int(os.path.join(directory, usage_file))
             if usage is None:
                 raise HostInfoUnavailable(os.path.join(directory, usage_file), "is missing beside its limit")
-            rel = os.path.relpath(directory, top)
-            levels.append(CgroupLevel("/" if rel == "." else "/" + rel, UNLIMITED if limit is None else limit,
+            levels.append(CgroupLevel(level, UNLIMITED if limit is None else limit,
                                       usage, UNLIMITED if rsvd_limit is None else rsvd_limit,
                                       _int(os.path.join(directory, rsvd_usage_file)) or 0))
-        if os.path.normpath(directory) == os.path.normpath(top):
-            break
-        directory = os.path.dirname(directory)
-    return HugetlbCgroup(version, path, tuple(levels))
+    return HugetlbCgroup(place.version, place.path, tuple(levels))
 
 
 class NoHugePages(OSError):
