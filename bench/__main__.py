@@ -67,17 +67,6 @@ def warm_cache(files: list[str]) -> None:
                 pass
 
 
-@contextlib.contextmanager
-def shmem_enabled(value: str):
-    """Set shmem_enabled for the huge-page runs and restore it afterwards, whatever happens."""
-    old = next(w[1:-1] for w in SHMEM.read_text().split() if w.startswith("["))
-    SHMEM.write_text(value)
-    try:
-        yield old
-    finally:
-        SHMEM.write_text(old)
-
-
 def machine() -> dict:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     mem = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemTotal"))
@@ -369,9 +358,9 @@ def main() -> int:
         with contextlib.ExitStack() as stack:
             if not a.no_huge_pages and SHMEM.exists():
                 try:
-                    stack.enter_context(shmem_enabled("advise"))
-                except OSError as err:
-                    log(f"huge pages not measured: cannot set {SHMEM} ({err})")
+                    stack.enter_context(hugepages.shmem_enabled("advise"))
+                except hugepages.NotMeasured as err:
+                    log(f"huge pages not measured: {err}")
                 else:
                     huge = start(work, {"ples_int4": d}, name="huge", wait=None)
                     daemons.append(huge)

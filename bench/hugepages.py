@@ -76,10 +76,6 @@ def _summary(values: list[float]) -> dict:
 
 # -- the host: pools and shmem_enabled, put back whatever happens ------------------------------------------
 
-def pool_path(page_size: int) -> Path:
-    return HUGEPAGES / f"hugepages-{page_size // KiB}kB" / "nr_hugepages"
-
-
 def host_settings() -> dict[str, str]:
     """What this benchmark may change and must put back: every pool's size, and shmem_enabled."""
     out = {d.name: (d / "nr_hugepages").read_text().strip() for d in sorted(HUGEPAGES.glob("hugepages-*"))}
@@ -88,38 +84,17 @@ def host_settings() -> dict[str, str]:
     return out
 
 
-def _wait(condition: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
 @contextlib.contextmanager
 def reserve(pages: int, page_size: int) -> Iterator[int]:
-    """``pages`` more pages of ``page_size`` in the pool; yields how many the kernel gave (0 and up: it may not
-    find contiguous memory). NotMeasured, before anything changes, without root or without that page size.
-    Afterwards nr_hugepages is written back and read back equal (pages still held by a process that has not
-    yet exited stay as surplus until freed: waited for); RuntimeError where it is not."""
-    path = pool_path(page_size)
-    if os.geteuid() != 0:
-        raise NotMeasured("needs root to change nr_hugepages")
-    if not path.exists():
-        offered = ", ".join(d.name for d in sorted(HUGEPAGES.glob("hugepages-*"))) or "none"
-        raise NotMeasured(f"the kernel offers no {page_size // KiB} kB pages (it offers: {offered})")
-    original = path.read_text().strip()
+    """tests/hugepool.py's ``raised_pool`` (pools raised, then read back as they were), NotMeasured where the pool
+    cannot be raised here."""
+    from tests.hugepool import PoolUnavailable, raised_pool
+
     try:
-        try:
-            path.write_text(str(int(original) + pages))
-        except OSError as err:
-            raise NotMeasured(f"cannot raise {path}: {err.strerror}") from err
-        yield int(path.read_text()) - int(original)
-    finally:
-        path.write_text(original)
-        if not _wait(lambda: path.read_text().strip() == original, 10):
-            raise RuntimeError(f"{path} not back to {original} (reads {path.read_text().strip()}): pages in use?")
+        with raised_pool(pages, page_size) as given:
+            yield given
+    except PoolUnavailable as err:
+        raise NotMeasured(str(err)) from err
 
 
 @contextlib.contextmanager
@@ -166,15 +141,6 @@ def fit_table(d: Path, like: dict, limit: int) -> dict:
             return t
         shutil.rmtree(d)
         size *= 0.95
-
-
-def drop_cache(files: list[str]) -> None:
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 # -- a fresh client: attach with pre-faulting, its page tables -------------------------------------------
@@ -226,10 +192,12 @@ def table_status(socket: str, table: str) -> dict:
 def column(name: str, table: dict, start: Callable, repeats: int, requests: int, ids: int,
            settle: Callable[[], None] | None, log: Callable[[str], None], fitted: bool = False) -> dict:
     """``repeats`` fresh pleds on ``table`` with the column's keys; in each, one fresh probe and one gather run."""
+    from tests.harness import drop_page_cache
+
     runs = []
     slug = name.replace(" ", "-").lower()
     for rep in range(repeats):
-        drop_cache(table["files"])
+        drop_page_cache(table["files"])
         daemon = start(f"hp-{slug}-{rep}", {TABLE: Path(table["path"])}, COLUMNS[name])
         try:
             code = daemon.wait_ready_or_exit(timeout=600)

@@ -17,8 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from harness import require_marker
-
 MiB2 = 2 * 1024 * 1024
 GiB1 = 1024 * 1024 * 1024
 HUGEPAGES = Path("/sys/kernel/mm/hugepages")
@@ -52,30 +50,50 @@ def _wait(condition: Callable[[], bool], timeout: float) -> bool:
     return True
 
 
+class PoolUnavailable(Exception):
+    """The pool cannot be raised here (no root, no such page size, the write refused); nothing was changed."""
+
+
 @contextlib.contextmanager
-def reserve(pages: int, page_size: int = MiB2) -> Iterator[int]:
+def raised_pool(pages: int, page_size: int) -> Iterator[int]:
     """``pages`` more pages of ``page_size`` in the pool (nr_hugepages raised as root); yields how many the kernel
-    gave (it may find fewer: contiguous memory). Skips without root, without that size, or with none given.
-    Afterwards nr_hugepages is put back and read back equal; every fd holding pages must be closed by then."""
-    require_marker("root", "changes the host's nr_hugepages")
+    gave (0 and up: it may not find contiguous memory). PoolUnavailable before anything changes where it cannot.
+    Afterwards nr_hugepages is put back and read back equal (pages still held by a process that has not yet
+    exited stay as surplus until freed: waited for); RuntimeError where it is not. For tests (``reserve``) and
+    for bench/hugepages.py alike: no pytest here."""
     if os.geteuid() != 0:
-        pytest.skip("needs root to change nr_hugepages")
+        raise PoolUnavailable("needs root to change nr_hugepages")
     path = size_dir(page_size) / "nr_hugepages"
     if not path.exists():
-        offered = ", ".join(d.name for d in HUGEPAGES.glob("hugepages-*")) or "none"
-        pytest.skip(f"the kernel offers no {page_size // 1024} kB pages (it offers: {offered})")
+        offered = ", ".join(d.name for d in sorted(HUGEPAGES.glob("hugepages-*"))) or "none"
+        raise PoolUnavailable(f"the kernel offers no {page_size // 1024} kB pages (it offers: {offered})")
     original = path.read_text().strip()
     try:
-        path.write_text(str(int(original) + pages))
-        given = int(path.read_text()) - int(original)
-        if given <= 0:
-            pytest.skip(f"this host gave 0 of {pages} pages of {page_size // 1024} kB asked (no contiguous memory)")
-        yield given
+        try:
+            path.write_text(str(int(original) + pages))
+        except OSError as err:
+            raise PoolUnavailable(f"cannot raise {path}: {err.strerror}") from err
+        yield int(path.read_text()) - int(original)
     finally:
         path.write_text(original)
-        # Pages still in use when the pool shrinks stay as surplus until freed: give a dying child time.
-        _wait(lambda: path.read_text().strip() == original, 5)
-        assert path.read_text().strip() == original, f"{path} not back to {original}: pages still in use?"
+        if not _wait(lambda: path.read_text().strip() == original, 10):
+            raise RuntimeError(f"{path} not back to {original} (reads {path.read_text().strip()}): pages in use?")
+
+
+@contextlib.contextmanager
+def reserve(pages: int, page_size: int = MiB2) -> Iterator[int]:
+    """``raised_pool`` for a test: skips (with the reason) where the pool cannot be raised or the kernel gave
+    no page. Every fd holding pages must be closed by the end."""
+    from harness import require_marker  # here, not at the top: bench/hugepages.py imports this module too
+
+    require_marker("root", "changes the host's nr_hugepages")
+    try:
+        with raised_pool(pages, page_size) as given:
+            if given <= 0:
+                pytest.skip(f"this host gave 0 of {pages} pages of {page_size // 1024} kB asked (no contiguous memory)")
+            yield given
+    except PoolUnavailable as err:
+        pytest.skip(str(err))
 
 
 def run_forked(action: Callable[[], object], cgroup: Path | None = None) -> str:
@@ -149,6 +167,8 @@ def hugetlb_cgroup_v1(tmp: Path) -> Iterator[HugetlbCgroupV1]:
     goes back to the root, the children are removed, the hierarchy unmounted, and /proc/cgroups shows the
     controller bound where it was (a v1 hierarchy outlives its umount while a removed child is still dying: this
     waits for that, and mounts and unmounts once more if it lingers)."""
+    from harness import require_marker
+
     require_marker("root", "mounts a cgroup hierarchy")
     if os.geteuid() != 0:
         pytest.skip("needs root to mount the hugetlb cgroup controller")
