@@ -1,6 +1,8 @@
 """Run a test's action in a forked child as another user: a real non-root client, not a mocked policy."""
 import os
+import signal
 import traceback
+from collections.abc import Callable
 
 import pytest
 
@@ -16,16 +18,26 @@ def as_user(action, groups: list[int] | None = ()) -> str:
     require_marker("root", "runs a process as another uid")
     if os.geteuid() != 0:
         pytest.skip("needs root to run a process as another uid")
+
+    def become_nobody() -> None:
+        os.setgroups(list(groups))
+        os.setgid(NOBODY)
+        os.setuid(NOBODY)
+
+    return in_child(action, before=None if groups is None else become_nobody)
+
+
+def in_child(action: Callable[[], object], before: Callable[[], None] | None = None) -> str:
+    """``action()`` in a forked child, after ``before()`` there: what it returned (as a str), "<ExceptionName>:
+    <text>" for what it raised, or "killed by SIGBUS" and the like."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
             os.close(r)
-            if groups is not None:
-                os.setgroups(list(groups))
-                os.setgid(NOBODY)
-                os.setuid(NOBODY)
             try:
+                if before is not None:
+                    before()
                 said = str(action())
             except Exception as err:  # the test reports whatever escaped
                 said = f"{type(err).__name__}: {err}"
@@ -35,6 +47,9 @@ def as_user(action, groups: list[int] | None = ()) -> str:
         finally:
             os._exit(0)
     os.close(w)
-    os.waitpid(pid, 0)
+    _, status = os.waitpid(pid, 0)
     with os.fdopen(r) as f:
-        return f.read()
+        said = f.read()
+    if os.WIFSIGNALED(status):
+        return f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
+    return said

@@ -8,10 +8,8 @@ test and put back as it was whatever happens, then checked unchanged (as the PID
 """
 import contextlib
 import os
-import signal
 import subprocess
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -97,31 +95,13 @@ def reserve(pages: int, page_size: int = MiB2) -> Iterator[int]:
 
 
 def run_forked(action: Callable[[], object], cgroup: Path | None = None) -> str:
-    """``action()`` in a forked child (first moved into ``cgroup``): what it returned as a str,
-    "<ExceptionName>: <text>" for what it raised, or "killed by SIGBUS" and the like."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.close(r)
-            if cgroup is not None:
-                (cgroup / "cgroup.procs").write_text(str(os.getpid()))
-            try:
-                said = str(action())
-            except Exception as err:
-                said = f"{type(err).__name__}: {err}"
-            except BaseException:
-                said = traceback.format_exc()
-            os.write(w, said.encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    _, status = os.waitpid(pid, 0)
-    with os.fdopen(r) as f:
-        said = f.read()
-    if os.WIFSIGNALED(status):
-        return f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
-    return said
+    """``action()`` in a forked child, first moved into ``cgroup``: tests/forked.py's ``in_child``."""
+    from forked import in_child  # here, not at the top: bench/hugepages.py imports this module too
+
+    def join() -> None:
+        (cgroup / "cgroup.procs").write_text(str(os.getpid()))
+
+    return in_child(action, before=None if cgroup is None else join)
 
 
 class HugetlbCgroupV1:
