@@ -39,6 +39,18 @@ def host_settings() -> dict[str, str]:
     return out
 
 
+@pytest.fixture(autouse=True, scope="module")
+def host_unchanged():
+    """For a test module that imports it: every pool, /proc/meminfo's HugePages_* and the hugetlb controller's
+    binding and mounts as they were before its tests."""
+    if os.geteuid() != 0:
+        yield
+        return
+    before = host_settings()
+    yield
+    assert host_settings() == before, "a hugetlb setting of the host changed"
+
+
 def _wait(condition: Callable[[], bool], timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while not condition():

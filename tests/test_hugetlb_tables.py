@@ -10,7 +10,13 @@ import time
 import pytest
 
 from harness import Daemon, NotifySocket, run_pled, wait_until, write_config
-from hugepool import GiB1, MiB2, host_settings, hugetlb_cgroup_v1, reserve
+from hugepool import (
+    GiB1,
+    MiB2,
+    host_unchanged,  # noqa: F401 (an autouse fixture: the host as it was, checked)
+    hugetlb_cgroup_v1,
+    reserve,
+)
 from pled import client
 from pled.daemon import hugetlb, numa
 from pled.generator import make_sidecar
@@ -18,16 +24,6 @@ from pled.shared.sizes import gib
 
 pytestmark = [pytest.mark.root, pytest.mark.daemon]
 NODES = numa.nodes_with_memory()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def host_unchanged():
-    if os.geteuid() != 0:
-        yield
-        return
-    before = host_settings()
-    yield
-    assert host_settings() == before, "a hugetlb setting of the host changed"
 
 
 def free2m() -> int:
