@@ -56,12 +56,11 @@ class Stager:
     # -- staging -----------------------------------------------------------------------------
 
     def stage(self, tables: list[TableState], owner: events.StagingOwner, config: Config) -> None:
-        """Stage ``tables`` one after another in a thread of their own, each from the plan it holds, with
-        ``config``'s huge-page setting and bandwidth; each end goes to ``owner`` (through the registry)."""
+        """Stage ``tables`` one after another in a thread of their own, each from the plan and on the pages it holds
+        (``TableState.pages``), at ``config``'s bandwidth; each end goes to ``owner`` (through the registry)."""
         if not tables:
             return
-        worker = threading.Thread(target=self._stage_list, args=(tables, owner, config.huge_pages,
-                                                                 config.staging_bandwidth),
+        worker = threading.Thread(target=self._stage_list, args=(tables, owner, config.staging_bandwidth),
                                   name="pled-staging", daemon=True)
         self._staging = [w for w in self._staging if w.is_alive()] + [worker]
         worker.start()
@@ -72,8 +71,7 @@ class Stager:
         finally:
             self._reading.pop(threading.current_thread(), None)
 
-    def _stage_tables(self, tables: list[TableState], owner: events.StagingOwner, huge_pages: str,
-                      bandwidth: int | None) -> None:
+    def _stage_tables(self, tables: list[TableState], owner: events.StagingOwner, bandwidth: int | None) -> None:
         """One table after another; each result goes to the loop as an event."""
         for t in tables:
             if self._stop.is_set():
@@ -91,9 +89,9 @@ class Stager:
                          extra=journal.fields(table=t.name, generation=t.generation))
 
             try:
-                r = staging.stage(t.name, t.sidecar, planned=t.manifest, huge_pages=huge_pages,
+                r = staging.stage(t.name, t.sidecar, planned=t.manifest, pages=t.pages,
                                   sys_root=self._sys_root, on_shard=on_shard, should_stop=self._stop.is_set,
-                                  bandwidth=bandwidth, pages=t.pages)
+                                  bandwidth=bandwidth)
             except staging.StagingCancelled as err:
                 self._post(events.StagingCancelled(t, str(err), owner))
                 return
