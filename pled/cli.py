@@ -8,7 +8,7 @@ import os
 import sys
 
 from pled import __version__
-from pled.daemon import logs
+from pled.daemon import journal, logs
 from pled.shared import config_file
 from pled.shared.boundary import say
 from pled.shared.errors import EX_CONFIG, EX_INTERRUPTED, EX_NOT_RUNNING, EX_USAGE, PledError
@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except PledError as err:
-        log.error("%s", err)
+        log.error("%s", err, extra=journal.refusal_fields(err))
         return err.exit_status
     except KeyboardInterrupt:
         return EX_INTERRUPTED

@@ -243,15 +243,13 @@ def test_setup_writes_to_the_journal_only_where_stderr_is_the_journal(tmp_path, 
 
 
 def test_the_refusal_pled_exits_78_with_is_tagged_refused():
-    def tagged(*args):
-        r = logging.LogRecord("pled", logging.ERROR, __file__, 1, "%s", args, None)
-        logs.tag_refusal(r)
-        return getattr(r, journal.ATTR, None)
+    def tagged(err):
+        return journal.refusal_fields(err)[journal.ATTR] or None
 
     refused = SidecarError("/x", "no such file")
     refused.table = "t1"
     assert tagged(refused) == {"MESSAGE_ID": [IDS["refused"]], "PLED_TABLE": ["t1"]}
-    assert tagged(PledError("exit 1")) is None and tagged("a text") is None
+    assert tagged(PledError("exit 1")) is None and tagged(ValueError("a text")) is None
 
 
 # -- the catalog --------------------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ from collections.abc import Iterable
 from typing import Any, Literal
 
 from pled.shared.boundary import printable
+from pled.shared.errors import EX_CONFIG
 
 SOCKET = "/run/systemd/journal/socket"
 ENV_SOCKET = "PLED_JOURNAL_SOCKET"  # another path for it: for tests (the unit never sets it)
@@ -87,6 +88,14 @@ def fields(event: Event | None = None, *, table: str | Iterable[str] | None = No
             if getattr(peer, name, None) is not None:
                 out[key] = [str(getattr(peer, name))]
     return {ATTR: out}
+
+
+def refusal_fields(err: BaseException) -> dict[str, dict[str, list[str]]]:
+    """``extra=`` for logging an error pled exits with: the "refused" entry (and its table) for a refusal of
+    config, sidecar or preflight (exit 78), no fields for any other."""
+    if getattr(err, "exit_status", None) == EX_CONFIG:
+        return fields("refused", table=getattr(err, "table", None))
+    return fields()
 
 
 def field(key: str, value: str) -> bytes:

@@ -12,8 +12,8 @@ Every form escapes every non-printable character of a message (pled.shared.bound
 command line, a path or a file's text can hold ESC, BEL or U+2028, and none of it reaches a terminal or
 splits a journal entry. A traceback keeps its line breaks; each of its lines is escaped the same way.
 
-The refusal pled exits 78 with (EX_CONFIG: the config, a sidecar or the preflight) is logged by pled.cli.main as
-``log.error("%s", err)``; ``tag_refusal`` gives that record the journal's "refused" MESSAGE_ID and the table's name.
+The refusal pled exits 78 with (EX_CONFIG: the config, a sidecar or the preflight) is logged by pled.cli.main with
+``journal.refusal_fields``: the journal's "refused" MESSAGE_ID and the table's name.
 """
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ from collections.abc import Mapping
 
 from pled.daemon import journal
 from pled.shared.boundary import printable
-from pled.shared.errors import EX_CONFIG, PledError
 
 
 def stderr_is_journal(env: Mapping[str, str] | None = None) -> bool:
@@ -71,16 +70,6 @@ class _JournalFormatter(_Escaping):
         return "\n".join(prefix + line for line in super().format(record).splitlines())
 
 
-def tag_refusal(record: logging.LogRecord) -> bool:
-    """A logging filter: the record of a refusal pled exits 78 with (``log.error("%s", err)``) gets the journal's
-    "refused" fields. Passes every record."""
-    args = record.args
-    if (isinstance(args, tuple) and len(args) == 1 and isinstance(args[0], PledError)
-            and args[0].exit_status == EX_CONFIG and not hasattr(record, journal.ATTR)):
-        setattr(record, journal.ATTR, journal.fields("refused", table=args[0].table)[journal.ATTR])
-    return True
-
-
 def setup(level: str = "INFO") -> None:
     stderr = logging.StreamHandler(sys.stderr)
     handler: logging.Handler = stderr
@@ -95,7 +84,6 @@ def setup(level: str = "INFO") -> None:
                 handler = stderr
     else:
         handler.setFormatter(_Escaping("%(asctime)s pled[%(process)d] %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S"))
-    handler.addFilter(tag_refusal)
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
