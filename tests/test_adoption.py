@@ -71,3 +71,37 @@ def test_a_region_of_another_table_or_twice_the_same_table(staged, caplog):
     adopted, generation = out.adopted["t"]
     assert generation == 5 and "table t is stored twice; keeping generation 5" in caplog.text
     adopted.close()
+
+
+def test_a_stored_region_left_writable_by_mode_is_adopted_read_only_by_mode(staged, caplog):
+    """A region stored by a pled from before regions were made 0444 (an upgrade that keeps the fd store): adopted,
+    and made 0444, so that a client in pled's group cannot reopen its fd O_RDWR through /proc."""
+    d, r = staged
+    fd = os.dup(r.fd)
+    os.fchmod(fd, 0o777)  # what memfd_create gives
+    out = sort(d, [StoredFd(fd, "pled.1.t")], caplog)
+    adopted, _ = out.adopted["t"]
+    assert os.fstat(adopted.fd).st_mode & 0o777 == 0o444
+    adopted.close()
+
+
+@pytest.mark.root
+def test_a_stored_region_whose_mode_pled_cannot_change_is_staged_anew(staged, caplog):
+    """Owned by another uid (pled's User= changed): pled cannot make it 0444, so it does not adopt it."""
+    d, r = staged
+    fd = os.dup(r.fd)
+    os.fchmod(fd, 0o666)
+    os.fchown(fd, 4321, 4321)
+    from forked import as_user  # pled as an unprivileged uid that does not own the memfd
+
+    planned = {"t": region.plan("t", open_table(str(d)))}  # here: pytest's directory is closed to uid 65534
+    caplog.set_level(logging.INFO, logger="pled.daemon.fdstore")
+
+    def adopt() -> str:
+        out = fdstore.adopt_stored([StoredFd(fd, "pled.1.t")], planned, fdstore.FdStore(Notifier({}), {}))
+        return f"{sorted(out.adopted)} {caplog.text}"
+
+    said = as_user(adopt, groups=[])
+    assert said.startswith("[] ") and "not a usable region" in said and "Operation not permitted" in said, said
+    assert os.fstat(fd).st_mode & 0o777 == 0o666
+    os.close(fd)

@@ -197,6 +197,8 @@ def adopt_stored(stored: list[StoredFd], planned: dict[str, Manifest], store: Fd
             continue
         try:
             region.check_sealed_memfd(item.fd)  # first, as a client does: once sealed, what is read cannot change
+            if os.fstat(item.fd).st_mode & 0o222:  # stored by a pled before regions were made 0444, as staging does:
+                os.fchmod(item.fd, 0o444)  # else a client could reopen its fd O_RDWR through /proc (seals hold)
             manifest = region.read_manifest(item.fd)  # bounded and checked: every fault in it is a RegionError
         except (RegionError, OSError) as err:
             drop(item, f"not a usable region ({err})")
