@@ -111,18 +111,18 @@ def test_4_a_client_that_calls_and_never_reads_is_dropped(tmp_path, sidecar, ple
 
 @pytest.mark.root
 def test_5_fds_in_flight_are_bounded_per_connection(tmp_path, sidecar, pleds):
-    """8 connections each send 200 Attach calls and read nothing. pled runs without CAP_SYS_RESOURCE, as in
-    its unit, so kernels that count every fd in flight against the sender (the issue's host) refuse pled any
-    more past its fd limit (ETOOMANYREFS), and every other client's attach fails while the attackers stay.
-    Kernel 6.18 here does not count memfds, so what this test can show is pled's own bound: an attacker
-    receives at most MAX_FDS_PER_CONNECTION fds and is dropped, named, and others attach meanwhile."""
+    """8 connections each send 200 Attach calls and read nothing. pled runs with no capability, as in its unit, so
+    the kernel counts every fd in flight against pled's user and refuses pled any more past its fd limit
+    (ETOOMANYREFS; CAP_SYS_RESOURCE or CAP_SYS_ADMIN would exempt it), and every other client's attach would fail
+    while the attackers stay. pled's own bound comes first: an attacker receives at most MAX_FDS_PER_CONNECTION fds
+    and is dropped, named, and others attach meanwhile."""
     try:
         from pled.daemon.session import MAX_FDS_PER_CONNECTION
     except ImportError:  # today's main, which has no such bound
         MAX_FDS_PER_CONNECTION = 16
 
     d = sidecar(shards=4, rows=64)
-    drop = ["setpriv", "--inh-caps=-sys_resource", "--bounding-set=-sys_resource"]
+    drop = ["setpriv", "--inh-caps=-all", "--bounding-set=-all"]
     pled = start(tmp_path, {"t1": d}, nofile=1024, prefix=drop)
     pleds.append(pled)
     before = baseline(pled, "t1")
@@ -258,3 +258,71 @@ def test_a_group_member_holding_attached_connections_cannot_lock_out_root_or_oth
         os.kill(pid, signal_mod.SIGKILL)
         os.waitpid(pid, 0)
         os.close(r)
+
+
+@pytest.mark.root
+def test_fds_unread_on_connections_pled_dropped_still_count_against_their_uid(tmp_path, sidecar, open_dir, pleds):
+    """A member of pled's group sends 16 Attaches on a connection and reads none, shuts its side so that pled drops
+    the connection, keeps the socket, and does it again, 20 times. The kernel counts every fd the member has not
+    received against pled's user until it reads or closes them, and past pled's open-file limit (256 here) refuses
+    pled any more (ETOOMANYREFS: pled runs with no capability, as under its unit). pled used to forget a dropped
+    connection's fds, so the member held them past its uid's share and root could not attach. Now they count
+    against the member's uid until it closes them, and pled then closes its ends."""
+    import signal as signal_mod
+
+    from attack import unread
+    from harness import unused_gid
+    from pled import client
+    from pled.daemon import fdlimit
+
+    gid = unused_gid()
+    d = sidecar(shards=2, rows=64)
+    sock_path = os.path.join(open_dir, "pled.sock")
+    pled = start(tmp_path, {"t1": d}, socket=sock_path, nofile=256,
+                 prefix=["setpriv", f"--regid={gid}", "--clear-groups", "--bounding-set=-all", "--inh-caps=-all"])
+    pleds.append(pled)
+    before = baseline(pled, "t1")
+    share = fdlimit.max_fds_in_flight(256)
+    r, w = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the member: uid 65534 in pled's group
+        try:
+            os.setgroups([gid])
+            os.setgid(65534)
+            os.setuid(65534)
+            held = []
+            for _ in range(20):
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.connect(sock_path)
+                s.sendall(protocol.call(protocol.ATTACH, table="t1") * 16)
+                unread(s)  # until pled has stopped writing to it
+                s.shutdown(socket.SHUT_WR)  # pled reads its end of file and drops the connection
+                held.append(s)
+            os.write(w, b"holding\n")
+            os.read(go_r, 1)
+            for s in held:
+                s.close()
+            os.write(w, b"closed\n")
+            signal_mod.pause()
+        finally:
+            os._exit(0)
+    os.close(w)
+    os.close(go_r)
+    try:
+        said = os.fdopen(r)
+        assert said.readline() == "holding\n"
+        for _ in range(3):  # root attaches, however many fds the member keeps unread
+            with client.attach("t1", socket=sock_path, timeout=10) as t:
+                assert t.shards[0].size > 0
+        log = pled.log()
+        assert "left with 16 table fds unread: they count against uid 65534" in log, log[-3000:]
+        assert f"uid 65534 has {share} table fds unread over its connections, " in log, log[-3000:]
+        assert "ETOOMANYREFS" not in log, log[-3000:]
+        os.write(go_w, b"x")
+        assert said.readline() == "closed\n"
+        assert_serving(pled, "t1", d, before)  # pled's ends of the member's sockets closed: its fds as before
+    finally:
+        os.kill(pid, signal_mod.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(go_w)

@@ -139,8 +139,8 @@ TOO_MANY_REFS = """
 import errno, os, socket
 _real = socket.send_fds
 def _send_fds(sock, buffers, fds, *rest):
-    # The kernel's ETOOMANYREFS, once per flag file: kernel 6.x here does not count memfds in flight, so the
-    # refusal pled must survive cannot be provoked for real (tests/test_attack_clients.py, fds in flight).
+    # The kernel's ETOOMANYREFS, once per flag file: pled bounds the fds in flight per uid well below the kernel's
+    # limit (tests/test_attack_clients.py, fds in flight), so the refusal pled must survive is simulated here.
     if os.path.exists({flag!r}):
         os.unlink({flag!r})
         raise OSError(errno.ETOOMANYREFS, os.strerror(errno.ETOOMANYREFS))
@@ -275,3 +275,31 @@ def test_a_member_of_pleds_group_gets_no_writable_fd_by_any_sequence(tmp_path, s
     assert said.endswith("writable: []") and "0 opened from pled's /proc" in said, said
     assert int(said.split()[0]) >= 6, said
     assert_serving(pled, "t1", Path(d1))
+
+
+NO_PROC = """
+import fcntl, logging, os
+from pled.daemon import session
+logging.basicConfig(format="%(levelname)s %(message)s")
+fd = os.memfd_create("pled:t", os.MFD_ALLOW_SEALING)
+mine = [session.readonly_duplicate(fd) for _ in range(3)]
+print(sorted({fcntl.fcntl(m, fcntl.F_GETFL) & os.O_ACCMODE for m in mine}), os.path.exists("/proc/self/fd"))
+"""
+
+
+@pytest.mark.root
+def test_without_proc_a_reply_gets_a_duplicate_and_the_log_says_so_once(tmp_path):
+    """A read-only description of a memfd can only be opened through /proc. In a mount namespace with an empty
+    /proc the reply's fd is a duplicate of pled's read-write one (the seals are what refuse writes), said once."""
+    import shutil
+    import subprocess
+    import sys
+
+    if not shutil.which("unshare"):
+        pytest.skip("needs unshare(1)")
+    r = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                        'mount -t tmpfs none /proc && exec "$0" -c "$1"', sys.executable, NO_PROC],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [f"[{os.O_RDWR}]", "False"], r.stdout
+    assert r.stderr.count("cannot reopen a table's memfd read-only through /proc") == 1, r.stderr

@@ -1,8 +1,9 @@
 """The socket clients attach through: non-blocking, single-threaded, hard to upset.
 
 Every connection is checked with SO_PEERCRED when accepted. Calls are bounded in size and nesting; a connection
-with half a message, or an unread reply, older than CALL_TIMEOUT is dropped, and so is one past its bound on
-unread replies or fds in flight (session.py). Connections are capped below the open-file limit, per uid too
+with half a message, or an unread reply, older than CALL_TIMEOUT is dropped, and so is one past its bound on unread
+replies or fds in flight (session.py; fds unread count until the peer has them: Lingering). Connections are capped
+below the open-file limit, per uid too
 (fdlimit.py): at the cap an idle one (no table, no call) makes room, and while accept() finds no fd the listener
 rests. Whatever goes wrong with one connection, a bug included, ends in its error reply or its drop, logged,
 never in the loop. A client stays connected while it holds a table: its close is the detach. The listener and
@@ -11,6 +12,7 @@ listening or closes.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -19,12 +21,12 @@ import stat
 import time
 from collections.abc import Callable
 
-from pled.daemon import fdlimit, journal
+from pled.daemon import fdlimit, journal, session
 from pled.daemon.access import Policy, peer_of
 from pled.daemon.counters import Counters
 from pled.daemon.listener import bind
 from pled.daemon.loop import READ, WRITE, Loop
-from pled.daemon.session import CALL_TIMEOUT, Outgoing, Reply, Session, fd_budget_drops, unread_drops
+from pled.daemon.session import CALL_TIMEOUT, Outgoing, Reply, Session
 from pled.daemon.throttle import Throttle
 from pled.shared import protocol
 from pled.shared.boundary import clip
@@ -53,6 +55,7 @@ class Server:
         self.max_fds_per_uid = max_fds_per_uid
         self.listener = bind(path)
         self.connections: dict[int, Session] = {}
+        self.lingering = session.Lingering()  # dropped connections whose peers have table fds unread
         self._paused_until: float | None = None  # the listener rests while no fd is free
         self._throttle = Throttle()
         self._loop: Loop | None = loop  # None once the server has left the loop: nothing more is read or sent
@@ -76,12 +79,11 @@ class Server:
         self._leave_loop()
         for conn in list(self.connections.values()):
             self._drop(conn, None)
+        self.lingering.close()
         self.listener.close()
-        try:
+        with contextlib.suppress(FileNotFoundError):
             if stat.S_ISSOCK(os.lstat(self.path).st_mode):
                 os.unlink(self.path)
-        except FileNotFoundError:
-            pass
 
     # -- accepting ---------------------------------------------------------------------------
 
@@ -113,7 +115,7 @@ class Server:
 
     def _admit(self, peer) -> bool:
         """Room for ``peer``: within its uid's share (fdlimit.over_share) and the cap, where an idle one may go."""
-        uids = [c.peer.uid for c in self.connections.values()]
+        uids = [c.peer.uid for c in self.connections.values()] + self.lingering.uids()
         why = fdlimit.over_share(peer.uid, (0, self.policy.own_uid), uids.count(peer.uid), len(uids),
                                  self.max_connections)
         if why is None and len(uids) >= self.max_connections and not self._make_room():
@@ -140,9 +142,8 @@ class Server:
         if self._paused_until is None and self._loop is not None:
             self._loop.unwatch(self.listener)
         self._paused_until = time.monotonic() + ACCEPT_PAUSE
-        self._throttle.log("pause", log.warning, "cannot accept clients: %s with %d connections open; accepting "
-                           "again once an fd is free (raise LimitNOFILE= if this persists)", err.strerror,
-                           len(self.connections))
+        self._throttle.log("pause", log.warning, "cannot accept clients: %s with %d connections open; accepting again "
+                           "once an fd is free (raise LimitNOFILE= if it lasts)", err.strerror, len(self.connections))
 
     def _resume(self) -> None:
         if self._paused_until is not None and self._loop is not None:
@@ -251,7 +252,7 @@ class Server:
             if reply.regions and not self._room_for_fds(conn, len(reply.regions)):
                 return
             data = protocol.encode(reply.message)
-            for victim, why in unread_drops(conn, list(self.connections.values()), len(data)):
+            for victim, why in session.unread_drops(conn, list(self.connections.values()), len(data)):
                 self._drop(victim, why, "unread_replies")
             if not self._live(conn):
                 return
@@ -276,7 +277,8 @@ class Server:
     def _room_for_fds(self, conn: Session, n: int) -> bool:
         """Bound the region fds sent and not yet received, per connection and per peer uid: past a bound the
         greediest connection goes, named (session.fd_budget_drops), and the others are unaffected."""
-        for victim, why in fd_budget_drops(conn, list(self.connections.values()), n, self.max_fds_per_uid):
+        for victim, why in session.fd_budget_drops(conn, list(self.connections.values()), n, self.max_fds_per_uid,
+                                           self.lingering.fds(conn.peer.uid)):
             self._drop(victim, why, "fds_in_flight")
         return self._live(conn)
 
@@ -311,10 +313,7 @@ class Server:
     def _too_many_refs(self, conn: Session) -> bool:
         """The kernel refuses more fds in flight for pled's user: the connection holding most of them goes.
         True if that was another one, so ``conn``'s reply waits (holding its own fds) and is tried again."""
-        holders = [c for c in self.connections.values() if c is not conn]
-        greedy = max(holders, key=lambda c: c.fds_in_flight(), default=None)
-        if greedy is None or greedy.fds_in_flight() == 0:
-            greedy = conn
+        greedy = session.greediest(conn, self.connections.values())
         self._drop(greedy, f"the kernel refuses to send more table fds (ETOOMANYREFS); this connection holds "
                            f"{greedy.fds_in_flight()} unread", "fds_in_flight")
         return greedy is not conn and self._live(conn)
@@ -330,7 +329,7 @@ class Server:
                                extra=journal.fields("client_dropped", peer=conn.peer))
         if self._loop is not None:
             self._loop.unwatch(conn.sock)
-        conn.sock.close()
+        self.lingering.close_or_keep(conn, quiet=self._loop is None)
         conn.closing = True
         self._resume()  # an fd is free again
         try:
@@ -342,6 +341,7 @@ class Server:
     def expire(self, now: float | None = None) -> None:
         """Drop connections stuck past CALL_TIMEOUT (half a call, an unread reply); end the listener's pause if due."""
         now = time.monotonic() if now is None else now
+        self.lingering.reap()
         if self._paused_until is not None and now >= self._paused_until:
             self._resume()
         for conn in list(self.connections.values()):

@@ -17,16 +17,18 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import socket
 import struct
 import termios
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from pled.daemon.access import Peer
+from pled.daemon.throttle import Throttle
 from pled.shared import protocol
 from pled.shared.region import Region
 
@@ -34,6 +36,8 @@ CALL_TIMEOUT = 5.0  # seconds a half-sent call, or an unread reply, may wait
 MAX_UNREAD = 4 * 1024 * 1024  # bytes of replies queued for one connection (one Status of thousands of clients)
 MAX_UNREAD_PER_UID = 32 * 1024 * 1024
 MAX_FDS_PER_CONNECTION = 16  # a client attaches a few tables, one call at a time
+
+log = logging.getLogger(__name__)
 
 
 def unsent_in_kernel(sock: socket.socket) -> int:
@@ -44,6 +48,9 @@ def unsent_in_kernel(sock: socket.socket) -> int:
         return 0
 
 
+_NO_PROC = Throttle(every=float("inf"))  # said once: where /proc is missing it is missing for good
+
+
 def readonly_duplicate(fd: int) -> int:
     """A new fd for the file behind ``fd``, owned by the caller: a read-only reopening of it through /proc
     (a client then holds no writable file description at all), or, where /proc is not there, a duplicate."""
@@ -52,6 +59,9 @@ def readonly_duplicate(fd: int) -> int:
     except OSError as err:
         if err.errno in (errno.EMFILE, errno.ENFILE):
             raise
+        _NO_PROC.log("no-proc", log.warning, "cannot reopen a table's memfd read-only through /proc (%s): clients "
+                     "get a duplicate of pled's read-write fd, whose seals refuse every write all the same; mount "
+                     "/proc for pled", err.strerror)
         return fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 0)
 
 
@@ -184,12 +194,67 @@ def unread_drops(conn: Session, connections: list[Session], nbytes: int) -> list
             for c, total in _uid_share_drops(conn, connections, unread, MAX_UNREAD_PER_UID)]
 
 
-def fd_budget_drops(conn: Session, connections: list[Session], n: int, max_per_uid: int) -> list[tuple[Session, str]]:
+def fd_budget_drops(conn: Session, connections: list[Session], n: int, max_per_uid: int,
+                    closed: int = 0) -> list[tuple[Session, str]]:
     """The connections to drop, and why, before ``n`` more region fds go to ``conn``: ``conn`` itself past its own
-    bound; past its uid's bound, the greediest of that uid's connections until the rest fit (``conn`` last)."""
+    bound; past its uid's bound, the greediest of that uid's connections until the rest fit (``conn`` last).
+    ``closed``: the uid's fds still unread on connections pled has dropped (Lingering), which count and stay."""
     mine = conn.fds_in_flight()
     if mine + n > MAX_FDS_PER_CONNECTION:
         return [(conn, f"{mine} table fds sent to it are unread (at most {MAX_FDS_PER_CONNECTION} per connection)")]
-    return [(c, f"uid {conn.peer.uid} has {max_per_uid} table fds unread over its connections; this one holds "
+    also = f", {closed} of them on connections pled has closed" if closed else ""
+    return [(c, f"uid {conn.peer.uid} has {max_per_uid} table fds unread over its connections{also}; this one holds "
                 f"{c.fds_in_flight()}")
-            for c, _ in _uid_share_drops(conn, connections, Session.fds_in_flight, max_per_uid, extra=n)]
+            for c, _ in _uid_share_drops(conn, connections, Session.fds_in_flight, max_per_uid, extra=n + closed)]
+
+
+def greediest(conn: Session, connections: Iterable[Session]) -> Session:
+    """The connection, other than ``conn``, with the most fds in flight; ``conn`` where no other has any."""
+    greedy = max((c for c in connections if c is not conn), key=Session.fds_in_flight, default=None)
+    return conn if greedy is None or greedy.fds_in_flight() == 0 else greedy
+
+
+class Lingering:
+    """Dropped connections whose peer has not received every table fd sent to it. The kernel counts those fds
+    against pled's user until the peer reads or closes its end, whatever pled does with its own end; so pled keeps
+    that end (shut down both ways, watched by nothing), counts the fds against the peer's uid and the socket in its
+    uid's connections, and closes it once the kernel says the peer has them (SIOCOUTQ 0), or at stop. Without
+    this, a peer that made pled drop connection after connection, keeping each, held fds in flight past any bound
+    until the kernel refused pled every send (ETOOMANYREFS) and no client could attach."""
+
+    def __init__(self) -> None:
+        self.sessions: list[Session] = []
+        self._throttle = Throttle()
+
+    def close_or_keep(self, conn: Session, quiet: bool = False) -> None:
+        """Close ``conn``'s socket (its replies already discarded), or keep it while its peer has fds unread."""
+        n = conn.fds_in_flight()
+        try:
+            if n:
+                conn.sock.shutdown(socket.SHUT_RDWR)  # the peer reads what is queued, then its end of file
+        except OSError:
+            n = 0  # the peer is gone already: nothing of it stays in flight
+        if not n:
+            conn.sock.close()
+            return
+        self.sessions.append(conn)
+        if not quiet:
+            self._throttle.log(("linger", conn.peer.uid), log.warning, "%s left with %d table fds unread: they count "
+                               "against uid %d until it reads or closes them", conn.peer.describe(), n, conn.peer.uid)
+
+    def fds(self, uid: int) -> int:
+        return sum(c.fds_in_flight() for c in self.sessions if c.peer.uid == uid)
+
+    def uids(self) -> list[int]:
+        return [c.peer.uid for c in self.sessions]
+
+    def reap(self) -> None:
+        """Close those whose peer has received everything (or closed its end, which frees what it held)."""
+        for c in [c for c in self.sessions if c.fds_in_flight() == 0]:
+            self.sessions.remove(c)
+            c.sock.close()
+
+    def close(self) -> None:
+        sessions, self.sessions = self.sessions, []
+        for c in sessions:
+            c.sock.close()
