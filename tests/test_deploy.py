@@ -128,13 +128,6 @@ def test_the_images_install_the_wheel_file_with_its_extra(name, extra, tmp_path)
                if line.startswith("FROM "))
 
 
-def test_the_pled_image_runs_pled_serve_as_pid_1():
-    text = (DEPLOY / "Containerfile").read_text()
-    assert 'ENTRYPOINT ["pled", "serve"]' in text and "STOPSIGNAL SIGTERM" in text and "slim" in text
-    final_stage = text.split("FROM docker.io/library/python", 2)[2].split("\n", 1)[1]
-    assert "systemd" not in final_stage.replace("No systemd", "")
-
-
 def _sparse_sidecar(d: Path, tensors: dict, rows: int, shards: int = 128) -> Path:
     """The published sidecar's headers and sizes with no data: sparse files, a few KiB on disk."""
     d.mkdir()
