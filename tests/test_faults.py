@@ -175,5 +175,19 @@ def test_a_socket_directory_that_cannot_be_made_is_a_clear_error(tmp_path, sidec
     d = sidecar(shards=1, rows=10)
     cfg = write_config(tmp_path / "pled.toml", {"t": d}, headroom_margin=0, socket="/proc/pled-nowhere/pled.sock")
     r = run_pled("serve", "-c", cfg)
-    assert r.returncode == 1
+    assert r.returncode == 78, r.stderr  # a refusal: a restart would fail the same way
     assert "cannot create the socket's directory /proc/pled-nowhere" in r.stderr
+
+
+@pytest.mark.root
+def test_a_socket_directory_pled_may_not_write_is_a_refusal(tmp_path, sidecar, open_dir):
+    """pled (here root with no capability, as a non-root pled in a container whose socket directory belongs to
+    someone else) cannot create its socket: 78 (no restart loop), naming the uid and the directory."""
+    d = sidecar(shards=1, rows=10)
+    run = os.path.join(open_dir, "run")
+    os.mkdir(run, 0o755)
+    os.chown(run, 4321, 4321)
+    cfg = write_config(tmp_path / "pled.toml", {"t": d}, headroom_margin=0, socket=os.path.join(run, "pled.sock"))
+    pled = Daemon(cfg, prefix=["setpriv", "--bounding-set=-all", "--inh-caps=-all"])
+    assert pled.wait(timeout=60) == 78, pled.log()
+    assert f"cannot create socket {run}/pled.sock: Permission denied; check that uid 0 may write {run}" in pled.log()

@@ -27,6 +27,19 @@ class UnsafeSocketDirectory(PledError):
     exit_status = EX_CONFIG
 
 
+class SocketRefused(PledError):
+    """The socket (or its directory) cannot be made there, which a restart does not change (permissions, a
+    read-only or missing place): a refusal, 78. Running out of space, inodes or fds is an error (1): it may pass."""
+    exit_status = EX_CONFIG
+
+
+TRANSIENT = (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.EINTR, errno.EAGAIN)
+
+
+def _cannot(err: OSError, message: str) -> PledError:
+    return (PledError if err.errno in TRANSIENT else SocketRefused)(message)
+
+
 def check_directory(parent: str) -> None:
     """Refuse a world-writable socket directory; warn about one another user or group can write."""
     try:
@@ -56,9 +69,9 @@ def bind(path: str) -> socket.socket:
             os.makedirs(parent, exist_ok=True)
             os.chmod(parent, 0o750)
         except OSError as err:
-            raise PledError(f"cannot create the socket's directory {parent}: {err.strerror}; create it, or set "
-                            "socket in the config to a path under a writable directory "
-                            "(pled.service uses /run/pled)") from err
+            raise _cannot(err, f"cannot create the socket's directory {parent}: {err.strerror}; create it, or set "
+                               "socket in the config to a path under a writable directory "
+                               "(pled.service uses /run/pled)") from err
     check_directory(parent)
     try:
         st = os.lstat(path)
@@ -88,9 +101,9 @@ def bind(path: str) -> socket.socket:
     except OSError as err:
         sock.close()
         hint = ("free space (or inodes) there" if err.errno in (errno.ENOSPC, errno.EDQUOT)
-                else "check the directory's permissions")
-        raise PledError(f"cannot create socket {path}: {err.strerror or err}; {hint}, "
-                        "or set socket elsewhere in the config") from err
+                else f"check that uid {os.geteuid()} may write {parent}")
+        raise _cannot(err, f"cannot create socket {path}: {err.strerror or err}; {hint}, "
+                           "or set socket elsewhere in the config") from err
     finally:
         os.umask(old)
     sock.listen(socket.SOMAXCONN)

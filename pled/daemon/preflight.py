@@ -255,7 +255,8 @@ def _check_memory(tables: dict[str, int], margin: int, root: str) -> Verdict:
     if needed + margin > available:
         message = (
             f"pled needs {gib(needed)} for {_what(tables)}{plus} but only {gib(available)} is available "
-            f"to this service ({where}); free memory, raise the limit (MemoryMax= in the unit), "
+            f"to this service ({where}); free memory, raise the limit (MemoryMax= in the unit; --memory or "
+            f"resources.limits.memory in a container), "
             f"lower headroom_margin, or stage fewer tables"
         )
         return Verdict(False, needed, margin, available, meminfo, cgroup, tables, message, tuple(problems), **found)
