@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import resource
+from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,22 @@ def max_connections(limit: int) -> int:
 def max_fds_in_flight(limit: int) -> int:
     """Region fds one peer uid may have sent to it and not yet received: a small share of the kernel's cap."""
     return max(16, min(256, limit // 4))
+
+
+@dataclass(frozen=True)
+class FdBudget:
+    """Table fds sent and not yet received (the kernel refuses pled more past its open-file limit): at most
+    ``per_uid`` for one peer uid, ``total`` over all peers, the last ``reserve`` of which only root and pled's
+    own user may take."""
+    per_uid: int
+    total: int
+    reserve: int
+
+
+def fd_budget(limit: int) -> FdBudget:
+    """With ``limit`` fds: half the kernel's cap over all peers, an eighth of that kept for root and pled's user."""
+    total = max(32, limit // 2)
+    return FdBudget(max_fds_in_flight(limit), total, max(16, total // 8))
 
 
 def per_uid(cap: int) -> int:

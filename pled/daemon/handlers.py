@@ -37,7 +37,8 @@ def holders(connections: Collection[Session], name: str, generation: int) -> int
 class Handlers:
     def __init__(self, registry: Registry, reloader: Reloader, *, answer: Callable[[Session, Reply], None],
                  connections: Callable[[], Collection[Session]], clients_changed: Callable[[], None],
-                 started: float, counters: Counters, fdstore: FdStore) -> None:
+                 started: float, counters: Counters, fdstore: FdStore,
+                 lingering: Callable[[], Collection[Session]] = tuple) -> None:
         """``answer(conn, reply)`` sends the later reply to a call that got PENDING; ``connections()`` are the
         server's open connections; ``clients_changed()`` is told when a client attaches or leaves; ``counters``
         counts attaches and refusals, and goes out in Status with the fd store's figures."""
@@ -47,6 +48,7 @@ class Handlers:
         self.reloader = reloader
         self.answer = answer
         self.connections = connections
+        self.lingering = lingering  # connections dropped whose peers have table fds unread (session.Lingering)
         self.clients_changed = clients_changed
         self.started = started
         self.waiters: dict[str, list[Session]] = {}  # table -> connections waiting for it to be ready
@@ -142,8 +144,11 @@ class Handlers:
     def daemon_dict(self, connections: Collection[Session]) -> dict:
         """Status's ``daemon``: the counts since pled started, connections, fds, the fd store, pled's memory."""
         store = self.fdstore
+        closed = self.lingering()
         return self.counters.snapshot() | {
             "connections": len(connections), "clients": attached_count(connections),
+            "fds_in_flight": sum(c.fds_in_flight() for c in [*connections, *closed]),
+            "closed_with_fds_unread": len(closed),
             "open_fds": fdlimit.open_fds(), "max_fds": fdlimit.soft_limit(),
             "fdstore": {"entries": len(store.names), "max_entries": store.limit if store.enabled else 0},
             "resident_memory_bytes": hostmem.own_rss(),

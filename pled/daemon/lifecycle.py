@@ -80,7 +80,7 @@ class Daemon:
                                  config_changed=self._config_changed, counters=self.counters)
         self.handlers = Handlers(self.registry, self.reloader, answer=self._answer_later, connections=self._connections,
                                  clients_changed=self._clients_changed, started=self.started, counters=self.counters,
-                                 fdstore=self.fdstore)
+                                 fdstore=self.fdstore, lingering=self._lingering)
         self.metrics = MetricsFile(config.metrics_file, config.metrics_interval, counters=self.counters,
                                    snapshot=partial(self.handlers.status_dict, sources=False))
         self.first_staging = startup.FirstStaging(self.registry, self.handlers, self.notifier, self.stopping,
@@ -108,7 +108,7 @@ class Daemon:
             self.server = Server(config.socket, Policy.for_this_process(config.allow_uids, config.allow_gids),
                                  self.handlers, self.handlers.on_close, loop,
                                  max_connections=fdlimit.max_connections(nofile),
-                                 max_fds_per_uid=fdlimit.max_fds_in_flight(nofile), counters=self.counters)
+                                 fd_budget=fdlimit.fd_budget(nofile), counters=self.counters)
             log.info("listening on %s", config.socket)
             self.stager.stage(to_stage, self.first_staging, config)
             del to_stage, config  # the registry holds what is served: a reload's releases are not kept alive here
@@ -235,6 +235,9 @@ class Daemon:
 
     def _connections(self) -> list[Session]:
         return list(self.server.connections.values()) if self.server is not None else []
+
+    def _lingering(self) -> list[Session]:
+        return list(self.server.lingering.sessions) if self.server is not None else []
 
     def _holders(self, name: str, generation: int) -> int:
         return handlers.holders(self._connections(), name, generation)

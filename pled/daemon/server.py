@@ -45,14 +45,14 @@ Handler = Callable[[Session, str, dict], "Reply | object"]
 
 class Server:
     def __init__(self, path: str, policy: Policy, handler: Handler, on_close: Callable[[Session], None], loop: Loop,
-                 *, max_connections: int, max_fds_per_uid: int, counters: Counters) -> None:
+                 *, max_connections: int, fd_budget: fdlimit.FdBudget, counters: Counters) -> None:
         self.path = path
         self.counters = counters
         self.policy = policy
         self.handler = handler
         self.on_close = on_close
         self.max_connections = max_connections
-        self.max_fds_per_uid = max_fds_per_uid
+        self.fd_budget = fd_budget
         self.listener = bind(path)
         self.connections: dict[int, Session] = {}
         self.lingering = session.Lingering()  # dropped connections whose peers have table fds unread
@@ -275,10 +275,10 @@ class Server:
             return Outgoing(protocol.encode(protocol.error(protocol.INTERNAL_ERROR, reason=reason)), [])
 
     def _room_for_fds(self, conn: Session, n: int) -> bool:
-        """Bound the region fds sent and not yet received, per connection and per peer uid: past a bound the
+        """Bound the region fds sent and not yet received, per connection, uid and in all: past a bound the
         greediest connection goes, named (session.fd_budget_drops), and the others are unaffected."""
-        for victim, why in session.fd_budget_drops(conn, list(self.connections.values()), n, self.max_fds_per_uid,
-                                           self.lingering.fds(conn.peer.uid)):
+        for victim, why in session.fd_budget_drops(conn, list(self.connections.values()), n, self.fd_budget,
+                                                   self.lingering, (0, self.policy.own_uid)):
             self._drop(victim, why, "fds_in_flight")
         return self._live(conn)
 

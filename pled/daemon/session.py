@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from pled.daemon.access import Peer
+from pled.daemon.fdlimit import FdBudget
 from pled.daemon.throttle import Throttle
 from pled.shared import protocol
 from pled.shared.region import Region
@@ -194,24 +195,42 @@ def unread_drops(conn: Session, connections: list[Session], nbytes: int) -> list
             for c, total in _uid_share_drops(conn, connections, unread, MAX_UNREAD_PER_UID)]
 
 
-def fd_budget_drops(conn: Session, connections: list[Session], n: int, max_per_uid: int,
-                    closed: int = 0) -> list[tuple[Session, str]]:
+def fd_budget_drops(conn: Session, connections: list[Session], n: int, budget: FdBudget, lingering: Lingering,
+                    operators: tuple[int, ...]) -> list[tuple[Session, str]]:
     """The connections to drop, and why, before ``n`` more region fds go to ``conn``: ``conn`` itself past its own
-    bound; past its uid's bound, the greediest of that uid's connections until the rest fit (``conn`` last).
-    ``closed``: the uid's fds still unread on connections pled has dropped (Lingering), which count and stay."""
+    bound or past the bound over all peers (``operators`` may use its reserve); past its uid's bound, the greediest
+    of that uid's connections until the rest fit (``conn`` last). The fds still unread on connections pled has
+    dropped (``lingering``) count too, and stay."""
     mine = conn.fds_in_flight()
     if mine + n > MAX_FDS_PER_CONNECTION:
         return [(conn, f"{mine} table fds sent to it are unread (at most {MAX_FDS_PER_CONNECTION} per connection)")]
+    total = sum(c.fds_in_flight() for c in connections) + lingering.fds()
+    cap = budget.total - (0 if conn.peer.uid in operators else budget.reserve)
+    if total + n > cap:
+        return [(conn, f"all peers together have {total} table fds unread (at most {cap} for uid {conn.peer.uid})")]
+    closed = lingering.fds(conn.peer.uid)
     also = f", {closed} of them on connections pled has closed" if closed else ""
-    return [(c, f"uid {conn.peer.uid} has {max_per_uid} table fds unread over its connections{also}; this one holds "
-                f"{c.fds_in_flight()}")
-            for c, _ in _uid_share_drops(conn, connections, Session.fds_in_flight, max_per_uid, extra=n + closed)]
+    return [(c, f"uid {conn.peer.uid} has {budget.per_uid} table fds unread over its connections{also}; this one "
+                f"holds {c.fds_in_flight()}")
+            for c, _ in _uid_share_drops(conn, connections, Session.fds_in_flight, budget.per_uid, extra=n + closed)]
 
 
 def greediest(conn: Session, connections: Iterable[Session]) -> Session:
     """The connection, other than ``conn``, with the most fds in flight; ``conn`` where no other has any."""
     greedy = max((c for c in connections if c is not conn), key=Session.fds_in_flight, default=None)
     return conn if greedy is None or greedy.fds_in_flight() == 0 else greedy
+
+
+def _drain(sock: socket.socket) -> None:
+    """Read and throw away whatever the peer sent that pled has not read, fds included (received with no room for
+    them, the kernel closes them). A peer that sent its own socket over itself is held only by that message: once
+    it is gone, so is the peer, and the table fds in its queue with it."""
+    for _ in range(4096):  # at most a socket buffer's worth; after the shutdown nothing more can come
+        try:
+            if not sock.recv(65536, socket.MSG_DONTWAIT):
+                return
+        except (BlockingIOError, InterruptedError, ConnectionResetError):
+            return
 
 
 class Lingering:
@@ -232,6 +251,8 @@ class Lingering:
         try:
             if n:
                 conn.sock.shutdown(socket.SHUT_RDWR)  # the peer reads what is queued, then its end of file
+                _drain(conn.sock)
+                n = conn.fds_in_flight()  # the peer may have been held only by what it had sent pled
         except OSError:
             n = 0  # the peer is gone already: nothing of it stays in flight
         if not n:
@@ -242,8 +263,9 @@ class Lingering:
             self._throttle.log(("linger", conn.peer.uid), log.warning, "%s left with %d table fds unread: they count "
                                "against uid %d until it reads or closes them", conn.peer.describe(), n, conn.peer.uid)
 
-    def fds(self, uid: int) -> int:
-        return sum(c.fds_in_flight() for c in self.sessions if c.peer.uid == uid)
+    def fds(self, uid: int | None = None) -> int:
+        """The fds still unread on them: ``uid``'s, or everyone's."""
+        return sum(c.fds_in_flight() for c in self.sessions if uid is None or c.peer.uid == uid)
 
     def uids(self) -> list[int]:
         return [c.peer.uid for c in self.sessions]

@@ -87,6 +87,13 @@ def daemon_families(st: dict) -> Iterator:
     if d.get("open_fds") is not None:
         yield gauge("pled_open_fds", "File descriptors pled holds.", value=d["open_fds"])
     yield gauge("pled_max_fds", "pled's open-file limit (the soft RLIMIT_NOFILE).", value=d["max_fds"])
+    if "fds_in_flight" in d:  # (a pled from before they were reported)
+        yield gauge("pled_fds_in_flight", "Table fds sent to clients and not yet received by them, closed "
+                    "connections' included (the kernel counts them against pled's open-file limit).",
+                    value=d["fds_in_flight"])
+        yield gauge("pled_closed_connections_with_fds_unread", "Connections pled has closed whose peers have not "
+                    "yet received every table fd sent to them; pled keeps its end until they have.",
+                    value=d["closed_with_fds_unread"])
     store = d["fdstore"]
     yield gauge("pled_fdstore_entries", "Regions pled has handed to systemd's fd store.", value=store["entries"])
     yield gauge("pled_fdstore_max_entries", "How many regions systemd's fd store keeps for pled (0: no fd store, "
