@@ -259,3 +259,50 @@ def test_a_group_member_holding_attached_connections_cannot_lock_out_root_or_oth
         os.waitpid(pid, 0)
         os.close(r)
 
+
+
+def test_the_attach_and_detach_lines_of_one_uid_are_a_budget_not_a_flood(tmp_path, sidecar, pleds):
+    """One uid attaching and leaving over and over (a member forking short-lived children did 1,600 lines a second)
+    gets its first 64 lines, then one a second, and the next line written says how many were held back; every
+    attach is still counted in Status, and other uids' lines are their own budget."""
+    from pled import client
+    from pled.daemon.throttle import Budget
+
+    d = sidecar(shards=2, rows=64)
+    pled = start(tmp_path, {"t1": d})
+    pleds.append(pled)
+    budget = Budget()
+    start_at = time.monotonic()
+    for _ in range(150):
+        with client.attach("t1", socket=pled.socket, populate=False):
+            pass
+    elapsed = time.monotonic() - start_at
+    time.sleep(1.1)  # room for one more line: it carries the count of those held back
+    with client.attach("t1", socket=pled.socket, populate=False):
+        pass
+    log = pled.log()
+    lines = log.count("client attached: table t1") + log.count("client detached:")
+    assert lines <= budget.burst + budget.rate * (elapsed + 1.2) + 2, (lines, elapsed)
+    assert "more like it held back: at most 64 at once, then 1 a second" in log, log[-2000:]
+    st = client.call(protocol.STATUS, socket=pled.socket)["daemon"]
+    assert st["attaches"] == 151, st
+    assert_serving(pled, "t1", d)
+
+
+def test_a_budget_writes_its_burst_then_its_rate_and_says_what_it_held_back(monkeypatch):
+    from pled.daemon import throttle
+
+    now = [100.0]
+    monkeypatch.setattr(throttle.time, "monotonic", lambda: now[0])
+    budget, written = throttle.Budget(burst=3, rate=1.0), []
+
+    def emit(fmt, *args):
+        written.append(fmt % args)
+
+    assert [budget.log("u", emit, "line %d", i) for i in range(5)] == [True, True, True, False, False]
+    assert budget.log("other", emit, "other")  # a key of its own
+    now[0] += 2.5
+    assert budget.log("u", emit, "line %d", 5) and budget.log("u", emit, "line %d", 6)
+    assert not budget.log("u", emit, "line %d", 7)
+    assert written == ["line 0", "line 1", "line 2", "other",
+                       "line 5 (2 more like it held back: at most 3 at once, then 1 a second)", "line 6"]

@@ -19,6 +19,7 @@ from pled.daemon.reload import Reloader
 from pled.daemon.server import PENDING
 from pled.daemon.session import Reply, Session
 from pled.daemon.tables import State, TableState
+from pled.daemon.throttle import Budget
 from pled.shared import protocol
 from pled.shared.boundary import clip
 
@@ -52,6 +53,7 @@ class Handlers:
         self.clients_changed = clients_changed
         self.started = started
         self.waiters: dict[str, list[Session]] = {}  # table -> connections waiting for it to be ready
+        self._lines = Budget()  # attach and detach lines, per peer uid: a uid's churn cannot flood the journal
         self._methods = {protocol.PING: self.ping, protocol.STATUS: self.status, protocol.RELOAD: self.reload,
                          protocol.ATTACH: self.attach}
 
@@ -113,9 +115,9 @@ class Handlers:
         conn.attached[name] = generation
         self.counters.attached()
         if first:
-            log.info("client attached: table %s generation %d to %s; %d client(s) attached",
-                     name, generation, conn.peer.describe(), self.attached_count(),
-                     extra=journal.fields("client_attached", table=name, generation=generation, peer=conn.peer))
+            self._lines.log(conn.peer.uid, log.info, "client attached: table %s generation %d to %s; %d client(s) "
+                            "attached", name, generation, conn.peer.describe(), self.attached_count(),
+                            extra=journal.fields("client_attached", table=name, generation=generation, peer=conn.peer))
             self.clients_changed()
 
     def attached_count(self) -> int:
@@ -127,9 +129,9 @@ class Handlers:
                 waiting.remove(conn)
         self.reloader.forget(conn)
         if conn.attached:
-            log.info("client detached: %s (table %s); %d client(s) attached", conn.peer.describe(),
-                     ", ".join(conn.attached), self.attached_count(),
-                     extra=journal.fields("client_detached", table=list(conn.attached), peer=conn.peer))
+            self._lines.log(conn.peer.uid, log.info, "client detached: %s (table %s); %d client(s) attached",
+                            conn.peer.describe(), ", ".join(conn.attached), self.attached_count(),
+                            extra=journal.fields("client_detached", table=list(conn.attached), peer=conn.peer))
             self.clients_changed()
 
     def status_dict(self, sources: bool = True) -> dict:

@@ -28,3 +28,29 @@ class Throttle:
             args = (*args, held, now - when)
         emit(fmt, *args, **kw)
         return True
+
+
+class Budget:
+    """For lines each worth reading until there are too many (a client attached): ``log(key, ...)`` writes up to
+    ``burst`` lines for ``key`` at once, then ``rate`` a second; the next line written says how many were held back."""
+
+    def __init__(self, burst: int = 64, rate: float = 1.0) -> None:
+        self.burst = burst
+        self.rate = rate
+        self._state: dict = {}  # key -> (lines it may write now, when that was worked out, lines held back since)
+
+    def log(self, key, emit, fmt: str, *args, **kw) -> bool:
+        now = time.monotonic()
+        left, then, held = self._state.get(key, (self.burst, now, 0))
+        left = min(self.burst, left + (now - then) * self.rate)
+        if left < 1:
+            self._state[key] = (left, now, held + 1)
+            return False
+        if len(self._state) > 1024:  # one key per peer uid: keep the table small
+            self._state.clear()
+        self._state[key] = (left - 1, now, 0)
+        if held:
+            fmt += " (%d more like it held back: at most %d at once, then %g a second)"
+            args = (*args, held, self.burst, self.rate)
+        emit(fmt, *args, **kw)
+        return True
