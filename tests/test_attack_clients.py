@@ -306,3 +306,41 @@ def test_a_budget_writes_its_burst_then_its_rate_and_says_what_it_held_back(monk
     assert not budget.log("u", emit, "line %d", 7)
     assert written == ["line 0", "line 1", "line 2", "other",
                        "line 5 (2 more like it held back: at most 3 at once, then 1 a second)", "line 6"]
+
+
+@pytest.mark.root
+def test_refused_reloads_of_one_uid_are_a_budget_not_a_flood(tmp_path, sidecar, open_dir, pleds):
+    """A member of pled's group pipelines 500 Reload calls, each refused (only root and pled's user may reload):
+    it wrote 28,000 warning lines a second. Now its lines are a budget; every refusal is still counted."""
+    from forked import as_user
+    from harness import unused_gid
+    from pled import client
+    from pled.daemon.throttle import Budget
+
+    gid = unused_gid()
+    d = sidecar(shards=2, rows=64)
+    sock_path = os.path.join(open_dir, "pled.sock")
+    pled = start(tmp_path, {"t1": d}, socket=sock_path, prefix=["setpriv", f"--regid={gid}", "--clear-groups"])
+    pleds.append(pled)
+
+    def reload_500_times() -> str:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(sock_path)
+        s.sendall(protocol.call(protocol.RELOAD) * 500)
+        got = b""
+        s.settimeout(20)
+        while got.count(b"\0") < 500:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            got += chunk
+        return str(got.count(b"PermissionDenied"))
+
+    began = time.monotonic()
+    assert as_user(reload_500_times, groups=[gid]) == "500"
+    elapsed = time.monotonic() - began
+    budget = Budget()
+    lines = pled.log().count("refused io.pled.Reload from")
+    assert lines <= budget.burst + budget.rate * elapsed + 2, (lines, elapsed)
+    assert client.call(protocol.STATUS, socket=sock_path)["daemon"]["refused"]["reload_access"] == 500
+    assert_serving(pled, "t1", d)

@@ -137,6 +137,33 @@ def test_a_peer_held_only_by_its_own_socket_in_pleds_queue_is_let_go(pled_group)
     assert_serving(pled, "t1", d, before)
 
 
+def test_a_peer_held_behind_thousands_of_fd_messages_is_let_go_too(pled_group):
+    """The same, with 5,000 messages that each carry an fd queued before its own socket (a send buffer that large
+    takes root's SO_SNDBUFFORCE here; a member gets it where net.core.wmem_max allows): pled reads everything the
+    peer sent, however much, not a fixed number of messages."""
+    pled, _, d = pled_group
+    before = baseline(pled, "t1")
+    capacity = ping_capacity(pled.socket)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, getattr(socket, "SO_SNDBUFFORCE", 32), 64 << 20)
+    s.connect(pled.socket)
+    s.sendall(ATTACH * 16 + PING * (capacity + 40))
+    unread(s)  # the replies stall: pled reads nothing more from it
+    null = os.open(os.devnull, os.O_RDONLY)
+    try:
+        for _ in range(5000):
+            socket.send_fds(s, [b" "], [null])
+        socket.send_fds(s, [b" "], [s.fileno()])
+    finally:
+        os.close(null)
+        s.close()
+    wait_until(lambda: pled.log().count("dropping") >= 1, 30, message=lambda: pled.log()[-3000:])
+    assert settle_fds(pled, before[0], timeout=20) <= before[0], pled.log()[-3000:]
+    st = client.call(protocol.STATUS, socket=pled.socket)["daemon"]
+    assert st["fds_in_flight"] == 0 and st["closed_with_fds_unread"] == 0, st
+    assert_serving(pled, "t1", d, before)
+
+
 def test_many_uids_together_cannot_take_what_is_kept_for_root(pled_group):
     """Each uid stays within its own share, but two together would pass half of pled's limit: the second is
     stopped at the bound over all peers, short of the root's reserve, and root attaches."""

@@ -53,7 +53,7 @@ class Handlers:
         self.clients_changed = clients_changed
         self.started = started
         self.waiters: dict[str, list[Session]] = {}  # table -> connections waiting for it to be ready
-        self._lines = Budget()  # attach and detach lines, per peer uid: a uid's churn cannot flood the journal
+        self._lines = Budget()  # attach, detach and refused-reload lines, per peer uid: no uid floods the log
         self._methods = {protocol.PING: self.ping, protocol.STATUS: self.status, protocol.RELOAD: self.reload,
                          protocol.ATTACH: self.attach}
 
@@ -74,8 +74,8 @@ class Handlers:
     def reload(self, conn: Session, params: dict):
         if conn.peer.uid not in (0, os.geteuid()):
             self.counters.refuse("reload_access")
-            log.warning("refused io.pled.Reload from %s: only root and pled's own user may reload",
-                        conn.peer.describe(), extra=journal.fields(peer=conn.peer))
+            self._lines.log(("reload", conn.peer.uid), log.warning, "refused io.pled.Reload from %s: only root and "
+                            "pled's own user may reload", conn.peer.describe(), extra=journal.fields(peer=conn.peer))
             return Reply(protocol.error(protocol.PERMISSION_DENIED, uid=conn.peer.uid))
         return self.reloader.begin(conn)
 

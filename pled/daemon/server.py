@@ -27,7 +27,7 @@ from pled.daemon.counters import Counters
 from pled.daemon.listener import bind
 from pled.daemon.loop import READ, WRITE, Loop
 from pled.daemon.session import CALL_TIMEOUT, Outgoing, Reply, Session
-from pled.daemon.throttle import Throttle
+from pled.daemon.throttle import Budget, Throttle
 from pled.shared import protocol
 from pled.shared.boundary import clip
 
@@ -58,6 +58,7 @@ class Server:
         self.lingering = session.Lingering()  # dropped connections whose peers have table fds unread
         self._paused_until: float | None = None  # the listener rests while no fd is free
         self._throttle = Throttle()
+        self._refusals = Budget()  # lines for peers refused by the access policy, per uid: one cannot flood the log
         self._loop: Loop | None = loop  # None once the server has left the loop: nothing more is read or sent
         loop.watch(self.listener, self._accept)
 
@@ -103,9 +104,8 @@ class Server:
             try:
                 peer = peer_of(sock)
             except OSError:
-                sock.close()
-                continue
-            if not self._admit(peer):
+                peer = None  # the peer is gone already
+            if peer is None or not self._admit(peer):
                 sock.close()
                 continue
             conn = Session(sock, peer, self.policy.allows(peer))
@@ -216,8 +216,9 @@ class Server:
     def _dispatch(self, conn: Session, raw: bytes) -> None:
         if not conn.allowed:
             self.counters.refuse("access")
-            log.warning("refused %s: not root, not pled's user or group, not in allow_uids or allow_groups",
-                        conn.peer.describe(), extra=journal.fields("client_refused", peer=conn.peer))
+            self._refusals.log(conn.peer.uid, log.warning, "refused %s: not root, not pled's user or group, not in "
+                               "allow_uids or allow_groups", conn.peer.describe(),
+                               extra=journal.fields("client_refused", peer=conn.peer))
             self.send(conn, Reply(protocol.error(protocol.PERMISSION_DENIED, uid=conn.peer.uid), close_after=True))
             return
         try:
@@ -275,8 +276,7 @@ class Server:
             return Outgoing(protocol.encode(protocol.error(protocol.INTERNAL_ERROR, reason=reason)), [])
 
     def _room_for_fds(self, conn: Session, n: int) -> bool:
-        """Bound the region fds sent and not yet received, per connection, uid and in all: past a bound the
-        greediest connection goes, named (session.fd_budget_drops), and the others are unaffected."""
+        """Bound the table fds sent, not yet received, per connection, uid and in all (session.fd_budget_drops)."""
         for victim, why in session.fd_budget_drops(conn, list(self.connections.values()), n, self.fd_budget,
                                                    self.lingering, (0, self.policy.own_uid)):
             self._drop(victim, why, "fds_in_flight")

@@ -225,11 +225,13 @@ def _drain(sock: socket.socket) -> None:
     """Read and throw away whatever the peer sent that pled has not read, fds included (received with no room for
     them, the kernel closes them). A peer that sent its own socket over itself is held only by that message: once
     it is gone, so is the peer, and the table fds in its queue with it."""
-    for _ in range(4096):  # at most a socket buffer's worth; after the shutdown nothing more can come
+    while True:  # to the end: after the shutdown nothing more can come, and any cap is a queue left behind
         try:
             if not sock.recv(65536, socket.MSG_DONTWAIT):
                 return
-        except (BlockingIOError, InterruptedError, ConnectionResetError):
+        except InterruptedError:
+            continue
+        except (BlockingIOError, ConnectionResetError):
             return
 
 
