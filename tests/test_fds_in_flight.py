@@ -88,6 +88,10 @@ class Member:
         self._said.close()
 
 
+def daemon_status(pled) -> dict:
+    return client.call(protocol.STATUS, socket=pled.socket)["daemon"]
+
+
 def root_attaches(pled, times: int = 3) -> None:
     for _ in range(times):
         with client.attach("t1", socket=pled.socket, timeout=10) as t:
@@ -103,13 +107,13 @@ def test_fds_unread_on_connections_pled_dropped_still_count_against_their_uid(pl
     member = Member(pled, gid, 65534, 20)
     try:
         root_attaches(pled)
-        log = pled.log()
-        assert "left with 16 table fds unread: they count against uid 65534" in log, log[-3000:]
         share = fdlimit.max_fds_in_flight(NOFILE)
-        assert f"uid 65534 has {share} table fds unread over its connections, " in log, log[-3000:]
+        pled.wait_for("left with 16 table fds unread: they count against uid 65534")
+        log = pled.wait_for(f"uid 65534 has {share} table fds unread over its connections, ")
         assert "ETOOMANYREFS" not in log, log[-3000:]
-        st = client.call(protocol.STATUS, socket=pled.socket)["daemon"]
-        assert st["fds_in_flight"] == share and st["closed_with_fds_unread"] == share // 16, st
+        st = wait_until(lambda: (d := daemon_status(pled))["closed_with_fds_unread"] == share // 16 and d, 10,
+                        message=lambda: str(daemon_status(pled)))
+        assert st["fds_in_flight"] == share, st
         member.release()
         assert_serving(pled, "t1", d, before)  # pled's ends of the member's sockets closed: its fds as before
     finally:
@@ -174,9 +178,8 @@ def test_many_uids_together_cannot_take_what_is_kept_for_root(pled_group):
     try:
         cap = budget.total - budget.reserve
         assert budget.per_uid * 2 > cap  # the premise: two full shares pass the bound over all peers
-        st = client.call(protocol.STATUS, socket=pled.socket)["daemon"]
-        assert st["fds_in_flight"] == cap, st
-        assert f"all peers together have {cap} table fds unread (at most {cap} for uid 65533)" in pled.log()
+        pled.wait_for(f"all peers together have {cap} table fds unread (at most {cap} for uid 65533)")
+        assert daemon_status(pled)["fds_in_flight"] == cap
         root_attaches(pled)
         first.release()
         second.release()
