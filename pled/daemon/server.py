@@ -3,12 +3,11 @@
 Every connection is checked with SO_PEERCRED when accepted. Calls are bounded in size and nesting; a connection
 with half a message, or an unread reply, older than CALL_TIMEOUT is dropped, and so is one past its bound on unread
 replies or fds in flight (session.py; fds unread count until the peer has them: Lingering). Connections are capped
-below the open-file limit, per uid too
-(fdlimit.py): at the cap an idle one (no table, no call) makes room, and while accept() finds no fd the listener
-rests. Whatever goes wrong with one connection, a bug included, ends in its error reply or its drop, logged,
-never in the loop. A client stays connected while it holds a table: its close is the detach. The listener and
-the connections are watched through the daemon's Loop (loop.py), from the server's start until it stops
-listening or closes.
+below the open-file limit, per uid too (fdlimit.py): at the cap an idle one (no table, no call) makes room, and
+while accept() finds no fd the listener rests. Whatever goes wrong with one connection, a bug included, ends in its
+error reply or its drop, logged, never in the loop. A client stays connected while it holds a table: its close is
+the detach. The listener and the connections are watched through the daemon's Loop (loop.py), from the server's
+start until it stops listening or closes.
 """
 from __future__ import annotations
 
