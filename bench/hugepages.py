@@ -390,26 +390,20 @@ def verdicts(res: dict) -> list[tuple[bool, str]] | None:
     h = res.get("hugepages")
     if not h or not h.get("columns"):
         return None
+    # (column, figure, statistic, target, what, how the figure reads, unit): one verdict each
+    checks = [(name, "populate_ms_per_gib", "median", target, "attach + pre-fault", "{:.2f}", "ms per GiB")
+              for name, target in TARGETS["populate_ms_per_gib"].items()]
+    checks += [(name, "pte_kib_per_gib", "max", TARGETS["pte_kib_per_gib"], "page tables", "at most {:.1f}",
+                "KiB per GiB") for name in POOLS]
     out = []
-    for name, target in TARGETS["populate_ms_per_gib"].items():
+    for name, figure, stat, target, what, shown, unit in checks:
         c = h["columns"].get(name, {"not_measured": "not run"})
         if "not_measured" in c:
-            out.append((False, f"attach + pre-fault on {name} pages not measured: {c['not_measured']} "
-                               f"(target under {target} ms per GiB)"))
+            out.append((False, f"{what} on {name} pages not measured: {c['not_measured']} "
+                               f"(target under {target} {unit})"))
         else:
-            v = c["populate_ms_per_gib"]["median"]
-            out.append((v < target, f"attach + pre-fault on {name} pages {v:.2f} ms per GiB "
-                                    f"(target under {target} ms per GiB)"))
-    target = TARGETS["pte_kib_per_gib"]
-    for name in POOLS:
-        c = h["columns"].get(name, {"not_measured": "not run"})
-        if "not_measured" in c:
-            out.append((False, f"page tables on {name} pages not measured: {c['not_measured']} "
-                               f"(target under {target} KiB per GiB)"))
-        else:
-            v = c["pte_kib_per_gib"]["max"]
-            out.append((v < target, f"page tables on {name} pages at most {v:.1f} KiB per GiB "
-                                    f"(target under {target} KiB per GiB)"))
+            v = c[figure][stat]
+            out.append((v < target, f"{what} on {name} pages {shown.format(v)} {unit} (target under {target} {unit})"))
     return out
 
 
