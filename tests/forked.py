@@ -11,6 +11,14 @@ from harness import require_marker
 NOBODY = 65534
 
 
+def become(uid: int = NOBODY, groups: list[int] | tuple = ()) -> None:
+    """This (forked) process becomes ``uid``, its gid the same number, with exactly ``groups`` as its supplementary
+    groups: an ordinary user, as far as SO_PEERCRED and the socket's mode can tell."""
+    os.setgroups(list(groups))
+    os.setgid(uid)
+    os.setuid(uid)
+
+
 def as_user(action, groups: list[int] | None = ()) -> str:
     """Run ``action()`` in a forked child that is uid/gid 65534 with exactly ``groups`` as its supplementary groups
     (None: the child stays root). Returns what it returned (as a str), or "<ExceptionName>: <text>" for what it
@@ -19,12 +27,7 @@ def as_user(action, groups: list[int] | None = ()) -> str:
     if os.geteuid() != 0:
         pytest.skip("needs root to run a process as another uid")
 
-    def become_nobody() -> None:
-        os.setgroups(list(groups))
-        os.setgid(NOBODY)
-        os.setuid(NOBODY)
-
-    return in_child(action, before=None if groups is None else become_nobody)
+    return in_child(action, before=None if groups is None else lambda: become(NOBODY, groups))
 
 
 def in_child(action: Callable[[], object], before: Callable[[], None] | None = None) -> str:

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from attack import assert_serving, baseline, limit_lines, raw
+from forked import as_user, become
 from harness import start, stays_false, wait_until
 from pled.shared import protocol
 
@@ -225,9 +226,7 @@ def test_a_group_member_holding_attached_connections_cannot_lock_out_root_or_oth
     pid = os.fork()
     if pid == 0:  # the member: uid 65534 in pled's group, holding every connection it can get
         try:
-            os.setgroups([gid])
-            os.setgid(65534)
-            os.setuid(65534)
+            become(65534, [gid])
             held = 0
             for _ in range(cap + 10):
                 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -312,7 +311,6 @@ def test_a_budget_writes_its_burst_then_its_rate_and_says_what_it_held_back(monk
 def test_refused_reloads_of_one_uid_are_a_budget_not_a_flood(tmp_path, sidecar, open_dir, pleds):
     """A member of pled's group pipelines 500 Reload calls, each refused (only root and pled's user may reload):
     it wrote 28,000 warning lines a second. Now its lines are a budget; every refusal is still counted."""
-    from forked import as_user
     from harness import unused_gid
     from pled import client
     from pled.daemon.throttle import Budget

@@ -12,6 +12,7 @@ import socket
 import pytest
 
 from attack import PING, assert_serving, baseline, ping_capacity, settle_fds, unread
+from forked import become
 from harness import start, unused_gid, wait_until
 from pled import client
 from pled.daemon import fdlimit
@@ -47,9 +48,7 @@ class Member:
         if self.pid == 0:
             try:
                 os.close(self._said_r)
-                os.setgroups([gid])
-                os.setgid(uid)
-                os.setuid(uid)
+                become(uid, [gid])
                 held = []
                 for _ in range(connections):
                     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -8,6 +8,7 @@ import textwrap
 
 import pytest
 
+from forked import become
 from harness import Daemon, run_pled, write_config
 from pled import client
 from pled.generator import make_sidecar
@@ -141,9 +142,7 @@ def test_reload_is_for_root_and_pleds_user_only(tmp_path, daemon, sidecar):
         pid = os.fork()
         if pid == 0:
             try:
-                os.setgroups([])
-                os.setgid(65534)
-                os.setuid(65534)
+                become(65534)
                 try:
                     client.call(protocol.RELOAD, socket=sock)
                     os.write(w, b"reloaded")

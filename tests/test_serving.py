@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from forked import become
 from harness import run_pled, wait_until
 from pled import client
 from pled.daemon import server
@@ -277,9 +278,7 @@ def test_a_refused_uid_gets_permission_denied(sidecar, daemon):
             pid = os.fork()
             if pid == 0:  # the child: drop to nobody, attach, report
                 try:
-                    os.setgroups([])
-                    os.setgid(65534)
-                    os.setuid(65534)
+                    become(65534)
                     try:
                         client.attach("t", socket=sock, populate=False).close()
                         os.write(w, b"attached")
