@@ -29,11 +29,16 @@ def _load_config(path: str | None):
 
 
 def _inspect(args) -> int:
+    from pled.daemon import checkpoint
     from pled.daemon.sidecar import open_table
     from pled.shared import region
     from pled.shared.sizes import gib
 
+    if checkpoint.looks_like_checkpoint(args.path) or args.checkpoint:
+        return _inspect_checkpoint(checkpoint.open_checkpoint(args.path), args.json)
     sidecar = open_table(args.path)
+    if any(checkpoint.ple_name(t.name) for s in sidecar.shards for t in s.header.tensors):  # a checkpoint's files
+        return _inspect_checkpoint(checkpoint.open_checkpoint(args.path), args.json)
     manifest = region.plan("inspect", sidecar)
     if args.json:
         print(json.dumps({**sidecar.describe(), "region_bytes": manifest.region_bytes}, indent=2))
@@ -92,6 +97,25 @@ def _call(args, method: str, command: str) -> tuple[dict | None, int]:
         return None, EX_NOT_RUNNING if isinstance(err, client.DaemonUnavailable) else 1
 
 
+def _inspect_checkpoint(ck, as_json: bool) -> int:
+    """What ``pled inspect`` says of a model checkpoint: the PLE tables a ``checkpoint`` table would stage."""
+    from pled.shared import region
+    from pled.shared.sizes import gib
+
+    manifest = region.plan("inspect", ck)
+    if as_json:
+        print(json.dumps({**ck.describe(), "region_bytes": manifest.region_bytes}, indent=2))
+        return 0
+    say(ck.source)
+    say(f"  form       PLE tables as arrays, for vLLM 0.33's own PLE path ({len(ck.shards)} file(s) hold them)")
+    for a in ck.arrays:
+        split = f"{a.parts} shards" if a.parts else "unsharded"
+        say(f"  {a.prefix}.{a.param}: {a.dtype} {a.rows} x {a.width}, {split}, {gib(a.nbytes)}")
+    say(f"  bytes      {ck.nbytes} ({gib(ck.nbytes)}); region {manifest.region_bytes} ({gib(manifest.region_bytes)}) "
+        "with alignment")
+    return 0
+
+
 def _status(args) -> int:
     from pled.shared import protocol
     from pled.shared.sizes import gib
@@ -127,6 +151,9 @@ def _status(args) -> int:
             per_node = sorted(numa["bytes_per_node"].items(), key=lambda item: int(item[0]))
             nodes = ", ".join(f"node {n} {gib(b)}" for n, b in per_node)
             notes.append(f"{t['table']}: NUMA {numa.get('policy') or 'policy unknown'}: {nodes}")
+        if t.get("arrays"):
+            notes.append(f"{t['table']}: {len(t['arrays'])} arrays for vLLM 0.33's PLE path, from "
+                         f"{t['shards']} checkpoint file(s)")
         if t.get("error"):
             notes.append(f"{t['table']}: {t['error']}")
     for note in notes:
@@ -223,9 +250,13 @@ def parser() -> argparse.ArgumentParser:
     daemon.add_argument("-c", "--config", help=config_help + "; read for its socket")
     daemon.add_argument("--socket", help="the daemon's socket (default $PLED_SOCKET, else the config's)")
 
-    s = sub.add_parser("inspect", help="validate a sidecar directory or glob and describe it")
+    s = sub.add_parser("inspect", help="validate a sidecar directory or glob, or a model checkpoint's PLE tables, "
+                                       "and describe it")
     s.add_argument("path")
     s.add_argument("--json", action="store_true")
+    s.add_argument("--checkpoint", action="store_true",
+                   help="read PATH as a model checkpoint: the PLE tables a `checkpoint` table would stage (the default "
+                        "where PATH has a model.safetensors.index.json or holds PLE tensors)")
     s.set_defaults(func=_inspect)
 
     s = sub.add_parser("preflight", help="check that this host and cgroup can hold the configured tables")

@@ -91,3 +91,71 @@ def make_sidecar(directory: str, layout: str = "ples_int4", shards: int | None =
         json.dump(meta, f, indent=2)
         f.write("\n")
     return paths
+
+
+# -- a model checkpoint's PLE tables (the arrays form: pled.daemon.checkpoint) ----------------------------------
+
+CHECKPOINT_DTYPES = ("bf16", "fp8", "nvfp4")
+PLE_PREFIX = "model.language_model.layers.{layer}.ple.ple_embedding"  # as Qwen4Exp checkpoints name them
+
+
+def shard_rows(rows: int, parts: int) -> list[int]:
+    """vLLM 0.33's split of ``rows`` into ``parts`` checkpoint shards: ceil(rows / parts) each, then the rest, then
+    empty ones (nvidia/ngram_embedding.py, load_weights)."""
+    size = -(-rows // parts)
+    return [max(0, min(size, rows - i * size)) for i in range(parts)]
+
+
+def _ple_tensors(dtype: str, prefix: str, rows: int, width: int, parts: int,
+                 rng: np.random.Generator) -> list[tuple[str, str, tuple[int, ...], np.ndarray]]:
+    out: list[tuple[str, str, tuple[int, ...], np.ndarray]] = []
+    for i, count in enumerate(shard_rows(rows, parts)):
+        shard = f"{prefix}.ngram_embedding.shard_{i}"
+        if dtype == "bf16":
+            bits = rng.standard_normal((count, width), dtype=np.float32).view(np.uint32) >> 16
+            out.append((f"{shard}.weight", "BF16", (count, width), bits.astype(np.uint16)))
+        elif dtype == "fp8":
+            out.append((f"{shard}.weight", "F8_E4M3", (count, width), _fp8_codes(rng, (count, width))))
+        else:
+            out.append((f"{shard}.weight", "U8", (count, width // 2),
+                        rng.integers(0, 256, size=(count, width // 2), dtype=np.uint8)))
+            out.append((f"{shard}.weight_scale", "F8_E4M3", (count, width // 16),
+                        _positive_fp8_scale(rng, (count, width // 16))))
+    scale = np.array([rng.uniform(1e-3, 1e-2)], dtype=np.float32)
+    if dtype == "fp8":
+        out.append((f"{prefix}.ngram_embedding.weight_scale", "F32", (1,), scale))
+    elif dtype == "nvfp4":
+        out.append((f"{prefix}.ngram_embedding.weight_scale_2", "F32", (1,), scale))
+    return out
+
+
+def make_checkpoint(directory: str, dtype: str = "nvfp4", rows: dict[int, int] | None = None, width: int = 64,
+                    parts: int = 7, files: int = 3, seed: int = 0, index: bool = True) -> list[str]:
+    """Write a model checkpoint whose PLE tables are ``rows`` (layer id -> padded rows; each layer's differ), each
+    split into ``parts`` shard tensors as vLLM 0.33 reads them, beside other tensors (a norm per layer), over
+    ``files`` files ``model-0000K-of-0000N.safetensors`` and, with ``index``, model.safetensors.index.json.
+    Tensors follow each other with no alignment, as the format allows. Returns the file paths."""
+    if dtype not in CHECKPOINT_DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(CHECKPOINT_DTYPES)}")
+    rows = rows or {0: 1000, 1: 1234}
+    rng = np.random.default_rng(seed)
+    tensors: list[tuple[str, str, tuple[int, ...], np.ndarray]] = []
+    for layer, count in sorted(rows.items()):
+        prefix = PLE_PREFIX.format(layer=layer)
+        tensors.append((f"model.language_model.layers.{layer}.input_layernorm.weight", "F32", (width,),
+                        rng.standard_normal(width, dtype=np.float32)))
+        tensors += _ple_tensors(dtype, prefix, count, width, parts, rng)
+    os.makedirs(directory, exist_ok=True)
+    per_file = -(-len(tensors) // files)
+    paths, weight_map = [], {}
+    for k in range(files):
+        chunk = tensors[k * per_file:(k + 1) * per_file]
+        path = os.path.join(directory, f"model-{k + 1:05d}-of-{files:05d}.safetensors")
+        write(path, [(n, d, s, memoryview(np.ascontiguousarray(a)).cast("B")) for n, d, s, a in chunk],
+              metadata={"format": "pt"})
+        weight_map.update({n: os.path.basename(path) for n, _, _, _ in chunk})
+        paths.append(path)
+    if index:
+        with open(os.path.join(directory, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+            json.dump({"metadata": {"total_size": sum(a.nbytes for *_, a in tensors)}, "weight_map": weight_map}, f)
+    return paths

@@ -40,19 +40,24 @@ def _first_difference(a: memoryview, b: bytes) -> int:
 
 
 def verify_shard(table: client.Table, index: int, out=sys.stdout) -> bool:
+    """Source file ``index`` of ``table`` against the region: its digests as recorded, then its bytes (the whole
+    file, or each PLE tensor of a checkpoint), one line of result."""
     shard = table.shards[index]
+    pieces = [p for p in table.manifest.pieces() if p.file == index]
     name = os.path.basename(shard.path)
     prefix = f"[{index + 1}/{len(table.shards)}] {table.name}/{name}:"
     buf = memoryview(table.buffer)
-    region_bytes = buf[shard.offset : shard.offset + shard.size]
     try:
-        if shard.digest:
-            algo = shard.digest.partition(":")[0]
-            got = f"{algo}:{hash_bytes(algo, region_bytes)}"
-            if got != shard.digest:
-                say(f"{prefix} the region no longer matches the digest recorded when it was staged "
-                      f"({got[:23]}... != {shard.digest[:23]}...)", file=out)
-                return False
+        for p in pieces:
+            if p.digest:
+                with buf[p.offset : p.offset + p.nbytes] as held:
+                    algo = p.digest.partition(":")[0]
+                    got = f"{algo}:{hash_bytes(algo, held)}"
+                if got != p.digest:
+                    what = "" if p.name == name else f" (tensor {p.name})"
+                    say(f"{prefix}{what} the region no longer matches the digest recorded when it was staged "
+                        f"({got[:23]}... != {p.digest[:23]}...)", file=out)
+                    return False
         try:
             fd = open_regular(shard.path)  # a FIFO or a device put in its place is refused, never waited on
         except BoundaryError as err:
@@ -70,27 +75,39 @@ def verify_shard(table: client.Table, index: int, out=sys.stdout) -> bool:
             if size != shard.size:
                 say(f"{prefix} DIFFERS: the file has {size} bytes, the region {shard.size}", file=out)
                 return False
-            done = 0
-            while done < size:
-                data = os.pread(fd, min(CHUNK, size - done), done)
-                if not data:
-                    say(f"{prefix} the file ended at byte {done} while being read", file=out)
+            for p in pieces:
+                if not _compare(fd, p, buf, prefix if p.name == name else f"{prefix} tensor {p.name}", out):
                     return False
-                if region_bytes[done : done + len(data)] != data:
-                    at = done + _first_difference(region_bytes[done : done + len(data)], data)
-                    say(f"{prefix} DIFFERS at byte {at}: the region has 0x{region_bytes[at]:02x}, "
-                        f"the file 0x{data[at - done]:02x}", file=out)
-                    return False
-                os.posix_fadvise(fd, done, len(data), os.POSIX_FADV_DONTNEED)
-                done += len(data)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
         seconds = time.perf_counter() - start
-        say(f"{prefix} identical ({gib(shard.size)}, {rate(shard.size, seconds)})", file=out)
+        nbytes = sum(p.nbytes for p in pieces)
+        what = "" if table.manifest.form == "files" else f"{len(pieces)} tensors, "
+        say(f"{prefix} identical ({what}{gib(nbytes)}, {rate(nbytes, seconds)})", file=out)
         return True
     finally:
-        region_bytes.release()
         buf.release()
+
+
+def _compare(fd: int, piece, buf: memoryview, prefix: str, out) -> bool:
+    """The file's bytes of ``piece`` against the region's, chunk by chunk, the file's pages dropped behind; the
+    first difference named by its byte (counted from the piece's start) and both values."""
+    with buf[piece.offset : piece.offset + piece.nbytes] as region_bytes:
+        done = 0
+        while done < piece.nbytes:
+            data = os.pread(fd, min(CHUNK, piece.nbytes - done), piece.begin + done)
+            if not data:
+                say(f"{prefix} the file ended at byte {piece.begin + done} while being read", file=out)
+                return False
+            if region_bytes[done : done + len(data)] != data:
+                at = done + _first_difference(region_bytes[done : done + len(data)], data)
+                say(f"{prefix} DIFFERS at byte {at}: the region has 0x{region_bytes[at]:02x}, "
+                    f"the file 0x{data[at - done]:02x}", file=out)
+                return False
+            os.posix_fadvise(fd, piece.begin + done, len(data), os.POSIX_FADV_DONTNEED)
+            done += len(data)
+    return True
 
 
 def verify(socket: str, table: str | None = None, out=sys.stdout) -> int:
@@ -118,7 +135,8 @@ def verify(socket: str, table: str | None = None, out=sys.stdout) -> int:
 
 def _verify_table(socket: str, name: str, out) -> bool:
     with client.attach(name, socket=socket, populate=False) as t:
-        say(f"table {name} generation {t.generation}: {len(t.shards)} shards, {gib(t.manifest.source_bytes)}", file=out)
+        files = f"{len(t.shards)} {'shards' if t.manifest.form == 'files' else 'checkpoint files'}"
+        say(f"table {name} generation {t.generation}: {files}, {gib(t.manifest.source_bytes)}", file=out)
         results = [verify_shard(t, i, out) for i in range(len(t.shards))]
         bad = results.count(False)
         say(f"table {name}: {'all shards identical' if not bad else f'{bad} shard(s) differ'}", file=out)

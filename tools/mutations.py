@@ -35,7 +35,7 @@ class Mutation:
 
 MUTATIONS = [
     Mutation("per-chunk POSIX_FADV_DONTNEED removed (only the per-shard one kept)", "pled/daemon/staging.py",
-             "            _drop_cache(src, done, got, shard.path)\n", "",
+             "        _drop_cache(src, at, got, shard.path)\n", "",
              ("tests/test_staging_contracts.py::test_each_chunk_leaves_the_page_cache_as_soon_as_it_is_copied",)),
     Mutation("supplementary groups ignored in the access policy", "pled/daemon/access.py",
              "or bool(peer.groups & self.allow_gids)", "or peer.gid in self.allow_gids",
@@ -52,7 +52,8 @@ MUTATIONS = [
              "        nibbles[:, 0::2] = packed >> 4\n        nibbles[:, 1::2] = packed & 0x0F\n",
              ("tests/test_dequant_reference.py",)),
     Mutation("identity() ignoring dev/ino", "pled/shared/region.py",
-             'replace(s, digest="") for s in self.shards', 'replace(s, digest="", dev=0, ino=0) for s in self.shards',
+             "replace(s, digest=d) for s, d in zip(self.shards",
+             "replace(s, digest=d, dev=0, ino=0) for s, d in zip(self.shards",
              ("tests/test_adoption.py",)),
     Mutation("seal check skipped when adopting a stored fd", "pled/daemon/fdstore.py",
              "            region.check_sealed_memfd(item.fd)  #", "            pass  #",

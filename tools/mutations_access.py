@@ -30,7 +30,7 @@ FINGERPRINT = REGIONS + "test_a_reply_whose_fingerprint_is_not_the_regions_is_re
 
 
 def _seal_ignored(seal: str) -> Mutation:
-    return Mutation(f"a client takes a region without {seal} for sealed", "pled/shared/region.py",
+    return Mutation(f"a client takes a region without {seal} for sealed", "pled/shared/memfd.py",
                     "    if have & SEALS != SEALS:\n",
                     f"    if have & (SEALS & ~fcntl.{seal}) != SEALS & ~fcntl.{seal}:\n",
                     (f"{MISSING_SEAL}[{seal}]",))

@@ -18,6 +18,9 @@
     [[table]]
     name = "checkpoint"
     path = "/srv/models/gemma/model-*.safetensors" # or a glob of files
+    [[table]]
+    name = "qwen4-ple"
+    checkpoint = "/srv/models/qwen4"                # or a checkpoint's PLE tables, as arrays for vLLM 0.33
 
 Relative table paths, and a relative metrics_file, are taken relative to the directory of the config file.
 """
@@ -29,7 +32,16 @@ import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from pled.shared.boundary import BoundaryError, check_json_depth_text, clip
 from pled.shared.config_file import MAX_DEPTH, check_socket_path, read_text, resolve_path  # noqa: F401 (resolve_path)
@@ -72,7 +84,10 @@ class TableConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-    path: str = Field(min_length=1, max_length=4096)
+    # One of the two: ``path``, whole files (a sidecar directory or a glob), or ``checkpoint``, a model checkpoint
+    # whose PLE tables are assembled into arrays for vLLM 0.33's own PLE path (pled.daemon.checkpoint).
+    path: str | None = Field(default=None, min_length=1, max_length=4096)
+    checkpoint: str | None = Field(default=None, min_length=1, max_length=4096)
     # Each one, where given, overrides the global key of the same name for this table (pageplan.py).
     huge_pages: HugePages | None = None
     huge_page_size: str | None = None
@@ -81,12 +96,25 @@ class TableConfig(BaseModel):
     _page_size = field_validator("huge_page_size")(classmethod(lambda cls, v: _check_page_size(v)))
     _numa = field_validator("numa", mode="before")(classmethod(lambda cls, v: _check_numa(v)))
 
-    @field_validator("path")
+    @field_validator("path", "checkpoint")
     @classmethod
-    def _no_nul(cls, value: str) -> str:
-        if "\0" in value:
+    def _no_nul(cls, value: str | None) -> str | None:
+        if value is not None and "\0" in value:
             raise ValueError("contains a NUL byte; a path cannot")
         return value
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TableConfig:
+        if (self.path is None) == (self.checkpoint is None):
+            raise ValueError("give either path (a sidecar directory, or a glob of .safetensors files, staged whole) "
+                             "or checkpoint (a model checkpoint whose PLE tables vLLM 0.33 pins), not "
+                             + ("both" if self.path else "neither"))
+        return self
+
+    @property
+    def source(self) -> str:
+        """What the table is staged from: its path or its checkpoint."""
+        return self.path if self.path is not None else str(self.checkpoint)
 
 
 class Config(BaseModel):
@@ -234,8 +262,9 @@ def parse(text: str, source: str) -> Config:
     base = Path(source).resolve().parent
     if isinstance(data.get("table"), list):
         for entry in data["table"]:
-            if isinstance(entry, dict) and isinstance(entry.get("path"), str) and entry["path"]:
-                entry["path"] = str(base / os.path.expanduser(entry["path"]))
+            for key in ("path", "checkpoint"):
+                if isinstance(entry, dict) and isinstance(entry.get(key), str) and entry[key]:
+                    entry[key] = str(base / os.path.expanduser(entry[key]))
     if isinstance(data.get("metrics_file"), str) and data["metrics_file"]:  # as a table's path
         data["metrics_file"] = str(base / os.path.expanduser(data["metrics_file"]))
     try:

@@ -14,9 +14,10 @@ import logging
 from dataclasses import dataclass, field
 
 from pled.daemon import config as config_mod, journal, pageplan, preflight
+from pled.daemon.checkpoint import Source, open_checkpoint
 from pled.daemon.config import Config
 from pled.daemon.pageplan import PagePlan
-from pled.daemon.sidecar import Sidecar, open_table
+from pled.daemon.sidecar import open_table
 from pled.shared import region
 from pled.shared.boundary import clip
 from pled.shared.errors import ConfigError, PledError
@@ -24,13 +25,13 @@ from pled.shared.errors import ConfigError, PledError
 log = logging.getLogger(__name__)
 
 
-def open_tables(config: Config) -> dict[str, Sidecar]:
+def open_tables(config: Config) -> dict[str, Source]:
     if not config.tables:
         raise ConfigError(config.source, "no [[table]] configured; add one with a name and a path")
-    sidecars = {}
+    sidecars: dict[str, Source] = {}
     for t in config.tables:
         try:
-            sidecars[t.name] = open_table(t.path)
+            sidecars[t.name] = open_table(t.path) if t.path is not None else open_checkpoint(str(t.checkpoint))
         except PledError as e:  # its file and problem, and which table (of several a reload may change) it is
             e.args = (f"table {clip(t.name)}: {e}",)
             e.table = t.name
@@ -39,8 +40,9 @@ def open_tables(config: Config) -> dict[str, Sidecar]:
     return sidecars
 
 
-def check_distinct(config: Config, sidecars: dict[str, Sidecar]) -> None:
-    """Refuse two tables that hold the same file (``dir``, ``dir/``, a glob of it, a symlink to it).
+def check_distinct(config: Config, sidecars: dict[str, Source]) -> None:
+    """Refuse two tables that hold the same file (``dir``, ``dir/``, a glob of it, a symlink to it), whole or its
+    PLE tensors (a ``checkpoint`` table).
 
     Refused rather than served as one region under both names: each name has its own generations, its own
     entry in systemd's fd store and its own reload, which one shared region cannot keep apart. Serving one
@@ -51,12 +53,15 @@ def check_distinct(config: Config, sidecars: dict[str, Sidecar]) -> None:
             key = (shard.dev, shard.ino)
             if key in owner and owner[key][0] != name:
                 other, path = owner[key]
+                how = ("its PLE tables would be in memory twice; serve the checkpoint's other files with a "
+                       "narrower path, or keep one table" if sidecar.arrays or sidecars[other].arrays
+                       else "it would be staged twice, in twice the memory; keep one of them")
                 raise ConfigError(config.source, f"tables {other} and {name} both hold {path} (as {shard.path}): "
-                                                 "it would be staged twice, in twice the memory; keep one of them")
+                                                 + how)
             owner.setdefault(key, (name, shard.path))
 
 
-def plan_tables(sidecars: dict[str, Sidecar]) -> dict[str, region.Manifest]:
+def plan_tables(sidecars: dict[str, Source]) -> dict[str, region.Manifest]:
     return {name: region.plan(name, s) for name, s in sidecars.items()}
 
 
@@ -88,7 +93,7 @@ def run_preflight(config: Config, manifests: dict[str, region.Manifest], proc_ro
 @dataclass(frozen=True)
 class ReloadPlan:
     config: Config
-    fresh: dict[str, tuple[Sidecar, region.Manifest]]  # new or changed tables, to stage
+    fresh: dict[str, tuple[Source, region.Manifest]]  # new or changed tables, to stage
     unchanged: list[str]
     removed: list[str]
     verdict: preflight.Verdict | None

@@ -24,12 +24,12 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
 from pled.daemon import journal, pageplan, staging
+from pled.daemon.checkpoint import Source
 from pled.daemon.config import Config
 from pled.daemon.events import Staged, StagingCancelled, StagingEnded, StagingFailed
 from pled.daemon.fdstore import Adopted, FdStore
 from pled.daemon.pageplan import PagePlan
 from pled.daemon.planning import ReloadPlan
-from pled.daemon.sidecar import Sidecar
 from pled.daemon.tables import CopyProgress, State, TableState
 from pled.shared.region import Manifest, Region
 from pled.shared.sizes import gib
@@ -75,7 +75,7 @@ class Registry:
 
     # -- at start ----------------------------------------------------------------------------
 
-    def open(self, sidecars: dict[str, Sidecar], planned: dict[str, Manifest], stored: Adopted,
+    def open(self, sidecars: dict[str, Source], planned: dict[str, Manifest], stored: Adopted,
              pages: Mapping[str, PagePlan] = MappingProxyType({})) -> list[TableState]:
         """A table for each of ``sidecars``: adopted where systemd kept its region, else planned as the generation
         after any stored one, to be staged on its ``pages``. Returns the tables to stage, in config order."""
@@ -88,7 +88,7 @@ class Registry:
         return [t for t in self._served.values() if t.state is not State.READY]
 
     @staticmethod
-    def _adopted(name: str, sidecar: Sidecar, region: Region, generation: int) -> TableState:
+    def _adopted(name: str, sidecar: Source, region: Region, generation: int) -> TableState:
         manifest = region.manifest  # with the content digests computed when it was staged
         log.info("table %s adopted from systemd's fd store: generation %d, %s, 0 bytes copied, sources unchanged",
                  name, generation, gib(manifest.region_bytes), extra=journal.fields(table=name, generation=generation))
@@ -128,7 +128,7 @@ class Registry:
 
     # -- a reload ----------------------------------------------------------------------------
 
-    def stage_next(self, fresh: dict[str, tuple[Sidecar, Manifest]],
+    def stage_next(self, fresh: dict[str, tuple[Source, Manifest]],
                    pages: Mapping[str, PagePlan] = MappingProxyType({})) -> list[TableState]:
         """The next generation of each new or changed table, planned, to be staged beside the served ones on its
         ``pages``."""

@@ -55,6 +55,7 @@ class Sidecar:
     meta: dict = field(default_factory=dict)
     # File name -> (algorithm, hex, where it was written), if the sidecar ships digests.
     expected_digests: dict = field(default_factory=dict)
+    arrays: tuple = ()  # a sidecar's files are staged whole (a checkpoint's PLE tables: pled.daemon.checkpoint)
 
     @property
     def nbytes(self) -> int:

@@ -81,11 +81,12 @@ class Stager:
             me = threading.current_thread()
             self._reading[me] = (t, time.monotonic())
 
-            def on_shard(shard, offset, seconds, t=t, n=n, me=me):
-                t.copy.shard_copied(shard.size)
+            def on_shard(shard, nbytes, seconds, t=t, n=n, me=me):
+                t.copy.shard_copied(nbytes)
                 self._reading[me] = (t, time.monotonic())
-                log.info("table %s: shard %d/%d %s %s in %.0f ms (%s)", t.name, shard.index + 1, n, shard.name,
-                         gib(shard.size), seconds * 1000, rate(shard.size, seconds),
+                log.info("table %s: %s %d/%d %s %s in %.0f ms (%s)", t.name,
+                         "file" if t.manifest.arrays else "shard", shard.index + 1, n, shard.name, gib(nbytes),
+                         seconds * 1000, rate(nbytes, seconds),
                          extra=journal.fields(table=t.name, generation=t.generation))
 
             try:

@@ -22,19 +22,20 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from pled.daemon import regionfd
+from pled.daemon.checkpoint import Source
+from pled.daemon.pacer import CHUNK, Pacer
 from pled.daemon.pageplan import PagePlan, human
-from pled.daemon.sidecar import Shard, Sidecar
+from pled.daemon.sidecar import Shard
 from pled.shared import hugepages, region
 from pled.shared.boundary import BoundaryError, open_regular
 from pled.shared.digests import OWN, new_hasher
 from pled.shared.errors import EX_OK, PledError, SidecarError, StagingError
 from pled.shared.pagecache import mapping_address
-from pled.shared.region import Manifest, Region
+from pled.shared.region import Manifest, Piece, Region
 from pled.shared.sizes import gib, rate
 
 log = logging.getLogger(__name__)
 
-CHUNK = 64 * 1024 * 1024
 SENDFILE = "sendfile"  # kernel copy, page cache -> shmem: fastest with 4 KiB pages
 FAULT = "fault"  # read() into a MADV_HUGEPAGE mapping: page faults are what allocate huge pages
 HUGETLB = "hugetlb"  # read() into a mapping of reserved huge pages, every one allocated beforehand
@@ -107,33 +108,9 @@ def _drop_cache(fd: int, offset: int, length: int, path: str) -> None:
                     path, err)
 
 
-class Pacer:
-    """Holds staging to ``bandwidth`` bytes/s on average (the config's staging_bandwidth), so that
-    pled does not take the whole disk from a vLLM that is loading its checkpoint meanwhile."""
-
-    def __init__(self, bandwidth: int | None, should_stop: Callable[[], bool], chunk: int = CHUNK) -> None:
-        self.bandwidth = bandwidth
-        self.should_stop = should_stop
-        # A whole number of huge pages: the page cache holds files in folios of up to 2 MiB, and dropping a
-        # chunk's pages leaves any folio that runs past either end of it.
-        chunk = chunk if not bandwidth else min(chunk, bandwidth // 8)
-        self.chunk = max(hugepages.PMD_SIZE, chunk // hugepages.PMD_SIZE * hugepages.PMD_SIZE)
-        self._start = time.monotonic()
-        self._done = 0
-
-    def account(self, nbytes: int) -> None:
-        if not self.bandwidth:
-            return
-        self._done += nbytes
-        due = self._start + self._done / self.bandwidth
-        while not self.should_stop():
-            left = due - time.monotonic()
-            if left <= 0:
-                return
-            time.sleep(min(left, 0.05))
-
-
-def _copy_shard(shard: Shard, offset: int, fd: int, view: memoryview | None, pacer: Pacer, table: str) -> None:
+def _copy_file(shard: Shard, pieces: list[Piece], fd: int, view: memoryview | None, pacer: Pacer, table: str) -> None:
+    """Copy ``pieces`` of one source file (the whole of a sidecar's shard, or a checkpoint's PLE tensors) to their
+    places in the region, dropping the file's pages chunk by chunk; the file checked unchanged before and after."""
     try:
         src = open_regular(shard.path)  # a FIFO or device put in its place since validation is never opened
     except BoundaryError as err:
@@ -141,37 +118,47 @@ def _copy_shard(shard: Shard, offset: int, fd: int, view: memoryview | None, pac
     try:
         _check_unchanged(src, shard, table)
         os.posix_fadvise(src, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        if view is None:
-            os.lseek(fd, offset, os.SEEK_SET)
-        done = 0
-        while done < shard.size:
-            if pacer.should_stop():
-                raise StagingCancelled(f"staging of table {table} cancelled at {shard.name}")
-            want = min(pacer.chunk, shard.size - done)
-            try:
-                if view is None:
-                    got = os.sendfile(fd, src, done, want)
-                else:
-                    got = os.preadv(src, [view[offset + done: offset + done + want]], done)
-            except OSError as err:
-                raise StagingError(table, f"reading {shard.path} failed at offset {done} of {shard.size}: "
-                                          f"{err.strerror}; check the disk (dmesg) "
-                                          "or copy the sidecar elsewhere") from err
-            if got == 0:
-                raise StagingError(table,
-                                   f"{shard.path} ended at byte {done} of {shard.size}: it was truncated while staging")
-            _drop_cache(src, done, got, shard.path)
-            done += got
-            pacer.account(got)
+        for piece in pieces:
+            _copy_piece(src, shard, piece, fd, view, pacer, table)
         _drop_cache(src, 0, 0, shard.path)  # readahead may have brought in pages past the last chunk
         _check_unchanged(src, shard, table)
+        whole = len(pieces) == 1 and pieces[0].begin == 0 and pieces[0].nbytes == shard.size
+        # A whole file's header is checked as copied; a checkpoint's (not copied) as the file has it now.
+        header = (os.pread(fd, shard.header.header_len, pieces[0].offset + 8) if whole
+                  else os.pread(src, shard.header.header_len, 8))
     except OSError as err:
         raise StagingError(table, f"reading {shard.path} failed ({err.strerror or err})") from err
     finally:
         os.close(src)
-    header = os.pread(fd, shard.header.header_len, offset + 8)
     if hashlib.sha256(header).hexdigest() != shard.header.fingerprint:
         raise StagingError(table, f"{shard.path} changed while staging (its header differs from the one validated)")
+
+
+def _copy_piece(src: int, shard: Shard, piece: Piece, fd: int, view: memoryview | None, pacer: Pacer,
+                table: str) -> None:
+    if view is None:
+        os.lseek(fd, piece.offset, os.SEEK_SET)
+    done = 0
+    while done < piece.nbytes:
+        if pacer.should_stop():
+            raise StagingCancelled(f"staging of table {table} cancelled at {shard.name}")
+        want = min(pacer.chunk, piece.nbytes - done)
+        at = piece.begin + done
+        try:
+            if view is None:
+                got = os.sendfile(fd, src, at, want)
+            else:
+                got = os.preadv(src, [view[piece.offset + done: piece.offset + done + want]], at)
+        except OSError as err:
+            raise StagingError(table, f"reading {shard.path} failed at offset {at} of {shard.size}: "
+                                      f"{err.strerror}; check the disk (dmesg) or copy the table's files "
+                                      "elsewhere") from err
+        if got == 0:
+            raise StagingError(table, f"{shard.path} ended at byte {at} of {shard.size}: it was truncated while "
+                                      "staging")
+        _drop_cache(src, at, got, shard.path)
+        done += got
+        pacer.account(got)
 
 
 def _check_unchanged(src: int, shard: Shard, table: str) -> None:
@@ -186,7 +173,7 @@ def _check_unchanged(src: int, shard: Shard, table: str) -> None:
 
 def stage(
     table: str,
-    sidecar: Sidecar,
+    sidecar: Source,
     *,
     planned: Manifest | None = None,
     huge_pages: str = "auto",
@@ -198,7 +185,7 @@ def stage(
     chunk: int = CHUNK,
     pages: PagePlan | None = None,
 ) -> Region:
-    """Stage ``sidecar`` into a new sealed memfd; the caller owns the returned Region.
+    """Stage ``sidecar`` (or a checkpoint's PLE tables) into a new sealed memfd; the caller owns the returned Region.
     ``planned``: the region's plan (the daemon's, made once by planning.py); planned here when not given.
     ``pages``: the pages and NUMA policy decided for it (pageplan.py); without one, shared memory as
     ``huge_pages`` says and no NUMA policy. ``digests=False`` skips hashing (the benchmark's baseline for what
@@ -246,9 +233,9 @@ def _digests(fd: int, offset: int, size: int, shipped: str | None,
     return f"{OWN}:{hashers[OWN].hexdigest()}", (hashers[shipped].hexdigest() if shipped else None)
 
 
-def _check_digest(sidecar: Sidecar, shard: Shard, actual: str | None) -> None:
+def _check_digest(source, shard: Shard, actual: str | None) -> None:
     """Refuse a shard whose content does not match the digest its sidecar ships."""
-    expected = sidecar.expected_digests.get(shard.name)
+    expected = source.expected_digests.get(shard.name)
     if expected is None:
         return
     algo, hexdigest, where = expected
@@ -257,8 +244,20 @@ def _check_digest(sidecar: Sidecar, shard: Shard, actual: str | None) -> None:
                                        f"in {where}; the file is damaged or the digest is stale: copy the shard again")
 
 
-def _fill(fd, manifest, sidecar, fill, on_shard, pacer, table, hashing: bool = True) -> tuple[Manifest, int]:
-    """Copy every shard in, hash each one from memory while the next is copied, write the final header."""
+def _gaps(manifest: Manifest, pieces: list[Piece]) -> list[tuple[int, int]]:
+    """The data area's bytes no piece fills, up to the 2 MiB boundary after the last one: alignment padding."""
+    out, end = [], manifest.data_offset
+    for p in sorted(pieces, key=lambda p: p.offset):
+        if p.offset > end:
+            out.append((end, p.offset))
+        end = max(end, p.offset + p.nbytes)
+    if region.align(end) > end:
+        out.append((end, region.align(end)))
+    return out
+
+
+def _fill(fd, manifest, source, fill, on_shard, pacer, table, hashing: bool = True) -> tuple[Manifest, int]:
+    """Copy every file's pieces in, hash each piece from memory while the next is copied, write the final header."""
     m = view = None
     if fill.method in (FAULT, HUGETLB):  # hugetlbfs has no write path: the mapping is the only way in
         m = mmap.mmap(fd, manifest.region_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -267,32 +266,37 @@ def _fill(fd, manifest, sidecar, fill, on_shard, pacer, table, hashing: bool = T
         view = memoryview(m)
     hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pled-hash")
     digests = []
+    pieces = manifest.pieces()
     try:
         header = region.encode_header(manifest)
         planned_length = len(header)
         _write(fd, view, 0, header)
         _write(fd, view, len(header), bytes(manifest.data_offset - len(header)))
-        for shard, entry in zip(sidecar.shards, manifest.shards, strict=True):
+        # Zero the alignment padding too: every page of the region is then allocated once, here, so the region is
+        # exactly as large as the preflight said, and a client's read of a padding page never allocates one on its
+        # own account.
+        for start, stop in _gaps(manifest, pieces):
+            _write(fd, view, start, bytes(stop - start))
+        by_file: dict[int, list[Piece]] = {}
+        for p in pieces:
+            by_file.setdefault(p.file, []).append(p)
+        for shard in source.shards:
+            mine = by_file.get(shard.index, [])
             t = time.perf_counter()
-            _copy_shard(shard, entry.offset, fd, view, pacer, table)
-            if hashing:
-                shipped = sidecar.expected_digests.get(shard.name, (None,))[0]
-                digests.append(hasher.submit(_digests, fd, entry.offset, entry.size, shipped,
-                                             view if fill.method == HUGETLB else None))
-            # Zero the alignment padding too: every page of the region is then allocated once, here,
-            # so the region is exactly as large as the preflight said, and a client's read of a
-            # padding page never allocates one on its own account.
-            end = entry.offset + entry.size
-            _write(fd, view, end, bytes(region.align(end) - end))
+            _copy_file(shard, mine, fd, view, pacer, table)
+            for p in mine if hashing else ():
+                shipped = source.expected_digests.get(shard.name, (None,))[0]
+                digests.append((shard, hasher.submit(_digests, fd, p.offset, p.nbytes, shipped,
+                                                     view if fill.method == HUGETLB else None)))
             if on_shard:
-                on_shard(shard, entry.offset, time.perf_counter() - t)
-        tail = region.align(end) if sidecar.shards else manifest.data_offset
+                on_shard(shard, sum(p.nbytes for p in mine), time.perf_counter() - t)
+        tail = region.align(max((p.offset + p.nbytes for p in pieces), default=manifest.data_offset))
         if tail < manifest.region_bytes and fill.method != HUGETLB:  # planned on 1 GiB pages, fallen back to shmem
             os.posix_fallocate(fd, tail, manifest.region_bytes - tail)  # allocated too, as hugetlb's would be
-        done = [f.result() for f in digests]
-        for shard, (_, shipped) in zip(sidecar.shards, done, strict=False):  # done is [] when not hashing
-            _check_digest(sidecar, shard, shipped)
-        final = manifest.with_digests([own for own, _ in done]) if hashing else manifest
+        done = [(shard, f.result()) for shard, f in digests]
+        for shard, (_, shipped) in done:  # done is [] when not hashing
+            _check_digest(source, shard, shipped)
+        final = manifest.with_digests([own for _, (own, _) in done]) if hashing else manifest
         header = region.encode_header(final)
         if len(header) != planned_length:
             raise AssertionError("a digest changed the manifest's length")  # DIGEST_PLACEHOLDER has their length
@@ -302,7 +306,7 @@ def _fill(fd, manifest, sidecar, fill, on_shard, pacer, table, hashing: bool = T
             huge = hugepages.pmd_mapped_bytes(mapping_address(m))
         return final, huge
     finally:
-        for f in digests:
+        for _, f in digests:
             f.cancel()
         hasher.shutdown(wait=True)  # no hash may still read the region when an error closes it
         # Every writable mapping must be gone before F_SEAL_WRITE can be set.

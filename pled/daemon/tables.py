@@ -21,8 +21,8 @@ from enum import StrEnum
 
 from pled import __version__
 from pled.daemon import pageplan
+from pled.daemon.checkpoint import Source
 from pled.daemon.pageplan import PagePlan
-from pled.daemon.sidecar import Sidecar
 from pled.shared import protocol, region
 from pled.shared.boundary import clip
 from pled.shared.pagecache import cached_bytes_fd
@@ -121,7 +121,7 @@ class CopyProgress:
 @dataclass(eq=False)
 class TableState:
     name: str
-    sidecar: Sidecar
+    sidecar: Source  # its files: a sidecar, or a checkpoint's PLE tables
     manifest: region.Manifest  # as planned; once staged, the region's own (with the content digests)
     generation: int = 1
     origin: str = "staged"  # or "adopted" from systemd's fd store
@@ -186,6 +186,10 @@ class TableState:
             "row_width": self.manifest.row_width, "region_bytes": self.manifest.region_bytes,
             "generation": self.generation, "fingerprint": self.manifest.fingerprint,
             "content_digest": self.manifest.content_digest or None, **({"sources": self.sources()} if sources else {}),
+            "form": self.manifest.form,
+            **({"arrays": [{"prefix": a.prefix, "param": a.param, "dtype": a.dtype, "rows": a.shape[0],
+                            "width": a.shape[1], "bytes": a.nbytes} for a in self.manifest.arrays]}
+               if self.manifest.arrays else {}),
             "error": self.error or None,
         }
         r = self.region
