@@ -22,7 +22,7 @@ import hashlib
 import json
 import os
 import struct
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from pled.shared import arrays as arrays_form, layouts
 from pled.shared.arrays import ArrayEntry
@@ -150,10 +150,10 @@ class Manifest:
         return replace(self, arrays=tuple(replace(a, sources=tuple(n)) for a, n in zip(self.arrays, new, strict=True)))
 
     def to_json(self) -> bytes:
-        doc = asdict(self)
+        doc = _fields(self)
         if not self.arrays:  # a sidecar's manifest is exactly what it was before the arrays form
             del doc["arrays"]
-        return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+        return json.dumps(doc, separators=(",", ":"), sort_keys=True, default=_fields).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> Manifest:
@@ -168,6 +168,11 @@ class Manifest:
         manifest = cls(**doc)
         _check_geometry(manifest)
         return manifest
+
+
+def _fields(record) -> dict:
+    """A manifest record's fields, for json.dumps (dataclasses.asdict deep-copies every value: 10x slower)."""
+    return {f.name: getattr(record, f.name) for f in fields(record)}
 
 
 def _check_geometry(m: Manifest) -> None:
