@@ -19,7 +19,7 @@ from pled.daemon.checkpoint import open_checkpoint
 from pled.daemon.fdstore import StoredFd
 from pled.daemon.notify import Notifier
 from pled.daemon.safetensors_file import write
-from pled.generator import make_checkpoint, shard_rows
+from pled.generator import make_checkpoint, make_sidecar, shard_rows
 from pled.shared import region
 from pled.shared.digests import hash_bytes
 from pled.shared.errors import SidecarError
@@ -256,12 +256,16 @@ def test_a_client_of_the_previous_release_is_refused_naming_the_form(tmp_path, d
     old.mkdir()
     subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
     make_checkpoint(str(tmp_path / "m"), "fp8", {0: 100}, width=32, parts=4, files=1)
-    pled = daemon({"ple": {"checkpoint": tmp_path / "m"}})
+    make_sidecar(str(tmp_path / "s"), "ples_nvfp4", shards=2, rows=64)
+    pled = daemon({"ple": {"checkpoint": tmp_path / "m"}, "side": tmp_path / "s"})
     code = ("import pled, sys; from pled.client import attach; assert pled.__file__.startswith(sys.argv[2])\n"
-            "try:\n attach('ple', socket=sys.argv[1])\nexcept Exception as e:\n print(type(e).__name__, e)")
+            "for name in ('ple', 'side'):\n"
+            " try:\n  print('attached', attach(name, socket=sys.argv[1]).manifest.layout)\n"
+            " except Exception as e:\n  print(type(e).__name__, e)")
     out = subprocess.run([sys.executable, "-c", code, pled.socket, str(old)], capture_output=True, text=True,
                          env=harness.clean_env(PYTHONPATH=str(old)), cwd=tmp_path, timeout=60)
     assert out.returncode == 0, out.stderr
-    (line,) = out.stdout.splitlines()
-    assert line.startswith("BadRegion ") and "unknown key 'arrays'" in line, line
+    arrays, sidecar = out.stdout.splitlines()
+    assert arrays.startswith("BadRegion ") and "unknown key 'arrays'" in arrays, arrays
+    assert sidecar == "attached ples_nvfp4"  # a sidecar table's manifest is as 0.1.0 wrote it
     shutil.rmtree(old)

@@ -35,6 +35,7 @@ DTYPES = ("bf16", "fp8", "nvfp4")
 TEXT = {"ngram_size": 3, "heads_per_ngram": 2, "ple_embed_dim": 256, "ngram_vocab_size_base": 100_000,
         "make_ngram_vocab_size_divisible_by": 6, "split_ngram_parts": 512, "eos_token_id": 1, "vocab_size": 1000}
 LAYERS = [0, 1]
+PREFIX0 = "model.language_model.layers.0.ple.ple_embedding.ngram_embedding"
 PINNED = {"bf16": ["weight"], "fp8": ["weight"], "nvfp4": ["weight", "weight_scale"]}
 LOADED = {"bf16": ["ngram_embedding.weight"], "fp8": ["ngram_embedding.weight", "ngram_embedding.weight_scale"],
           "nvfp4": ["ngram_embedding.weight", "ngram_embedding.weight_scale", "ngram_embedding.weight_scale_2"]}
@@ -141,11 +142,17 @@ def test_every_rank_views_pleds_sealed_region_and_equals_upstreams_copy(served, 
                 assert rec["upstream_uva_private_copies"], "upstream's table is not pinned here: the helper copies it"
         # every registration released once the tables are gone
         assert report["registered_calls"] == report["unregistered"] and report["still_registered"] == 0
+        # the UVA helper, guarded: a slice of pled's region that is not pinned is refused, never copied
+        assert report["guard"].startswith("PledUnavailable: pled: refusing vLLM's UVA view of a pled table"), \
+            report["guard"]
         assert "differs" not in report["stderr"]
 
 
-def test_refusals_name_the_tensor_or_the_device_and_the_fallback_warns_once(served, tmp_path):
+def test_refusals_name_the_tensor_or_the_device_and_the_fallback_warns_once(served, tmp_path, daemon):
     pled, dirs, rows = served
+    other = tmp_path / "other-model"  # a checkpoint whose layer 0 has 6 rows more than this model's
+    make_checkpoint(str(other), "fp8", {0: rows[0] + 6}, width=TEXT["ple_embed_dim"] // 4, parts=16, files=1)
+    elsewhere = daemon({"other": {"checkpoint": other}})
     changed = tmp_path / "changed"
     shutil.copytree(dirs["nvfp4"], changed)
     index = json.loads((changed / "model.safetensors.index.json").read_text())["weight_map"]
@@ -160,19 +167,29 @@ def test_refusals_name_the_tensor_or_the_device_and_the_fallback_warns_once(serv
          "refuse": True},
         {"name": "read-only", "dtype": "fp8", "checkpoint": str(dirs["fp8"]), "layers": [1], "env": on,
          "read_only": False},
+        {"name": "unpinned", "dtype": "fp8", "checkpoint": str(dirs["fp8"]), "layers": [0], "env": on,
+         "pin": False},
+        {"name": "rows", "dtype": "fp8", "checkpoint": str(other), "layers": [0],
+         "env": {"PLED_SOCKET": elsewhere.socket}},
         {"name": "fallback", "dtype": "nvfp4", "checkpoint": str(dirs["nvfp4"]), "layers": LAYERS, "refuse": True,
          "env": on | {"PLED_FALLBACK": "disk"}, "upstream": True},
     ]
     (report,) = run_world(1, cases)
-    errors = {c: report["cases"][c]["layers"] for c in ("changed", "cast", "refused", "read-only")}
+    errors = {c: report["cases"][c]["layers"] for c in ("changed", "cast", "refused", "read-only", "unpinned", "rows")}
     for case, layers in errors.items():
         (rec,) = layers.values()
         assert "error" in rec and "\n" not in rec["error"], (case, rec)
     assert f"{name} differs from the rows pled's region holds" in errors["changed"]["1"]["error"]
-    assert "a cast" in errors["cast"]["0"]["error"] and "torch.float16" in errors["cast"]["0"]["error"]
+    assert f"vLLM asks for model.layers.0.ple.ple_embedding.ngram_embedding (torch.float16, width 64, {rows[0]} " \
+           "rows), but pled holds weight BF16 width 64 (table bf16), " in errors["cast"]["0"]["error"]
+    assert ": a cast, and pled serves a PLE table only in its checkpoint's dtype" in errors["cast"]["0"]["error"]
     assert "cudaHostRegister(Mapped|ReadOnly) of model.language_model.layers.0" in errors["refused"]["0"]["error"]
     assert "device 0 (FakeGPU (no read-only registration)) does not support read-only host registration" in \
         errors["read-only"]["1"]["error"]
+    assert "rows 0..400116 (table fp8) is not pinned after cudaHostRegister" in errors["unpinned"]["0"]["error"]
+    assert f"pled holds {PREFIX0}.weight with {rows[0] + 6} rows (table other), but vLLM's " \
+           f"model.layers.0.ple.ple_embedding.ngram_embedding has {rows[0]}: not this model's checkpoint" in \
+        errors["rows"]["0"]["error"]
     for layer in LAYERS:  # the fallback: vLLM's own private copy, filled from pled's pages, equal to upstream's
         rec = report["cases"]["fallback"]["layers"][str(layer)]
         assert "error" not in rec and rec["equal_to_upstream"] == {n: True for n in rec["digests"]}

@@ -101,32 +101,38 @@ def patch_ple(module) -> None:
 
 
 def _find(st, layer, dtype, width: int):
-    """(table, ArrayEntry) pled holds for ``layer``'s prefix, of this dtype and width; None where it holds no array
-    for the layer; PledUnavailable (or None after a fallback warning) where it holds one that vLLM cannot view."""
+    """(table, ArrayEntry) pled holds for ``layer``'s prefix, of this dtype, width and row count; None where it holds
+    no array for the layer; PledUnavailable (or None after a fallback warning) where it holds one vLLM cannot view as
+    it is (a cast, another row count, two tables)."""
     from pled.shared.arrays import layer_key
 
-    prefix = layer.prefix
+    prefix, rows = layer.prefix, layer.num_embeddings_padded
     candidates = [(t, a) for t, a in st.arrays.get(layer_key(prefix), []) if a.prefix == prefix or
                   not a.prefix.startswith("mtp.")]
     if not candidates:
         return None
     code = _CODES.get(str(dtype).removeprefix("torch."))
-    fits = [(t, a) for t, a in candidates if a.shape[1] == width and a.dtype == code]
-    what = f"{prefix} ({dtype}, width {width})"
-    if len(fits) != 1:
-        held = ", ".join(f"{a.param} {a.dtype} width {a.shape[1]} (table {t.name})" for t, a in candidates)
-        why = ("a cast: pled serves a PLE table in its checkpoint dtype, and vLLM's --dtype or quantization "
-               "differs" if not fits else "more than one table holds it: serve the checkpoint once")
-        st.refuse(f"vLLM asks for {what}, but pled holds {held}: {why}", once=f"find:{prefix}:{dtype}",
-                  instead="vLLM's own PLE path is used for it, a private pinned copy")
-        return None
-    table, array = fits[0]
-    if array.shape[0] != layer.num_embeddings_padded:
-        st.refuse(f"pled holds {array.prefix}.{array.param} with {array.shape[0]} rows (table {table.name}), but "
-                  f"vLLM's {prefix} has {layer.num_embeddings_padded}: not this model's checkpoint",
-                  once=f"rows:{prefix}", instead="vLLM's own PLE path is used for it, a private pinned copy")
-        return None
-    return table, array
+    fits = [(t, a) for t, a in candidates if a.shape[1] == width and a.shape[0] == rows]
+    exact = [(t, a) for t, a in fits if a.dtype == code]
+    if len(exact) == 1:
+        return exact[0]
+    what = f"{prefix} ({dtype}, width {width}, {rows} rows)"
+
+    def held(found) -> str:
+        return ", ".join(f"{a.param} {a.dtype} width {a.shape[1]} (table {t.name})" for t, a in found)
+
+    if exact:
+        why = f"vLLM's {what} is held by more than one table ({held(exact)}): serve the checkpoint once, or name " \
+              "one table with PLED_TABLES"
+    elif fits:
+        why = f"vLLM asks for {what}, but pled holds {held(fits)}: a cast, and pled serves a PLE table only in " \
+              "its checkpoint's dtype (vLLM's --dtype or quantization differs)"
+    else:
+        same = [f"{a.prefix}.{a.param} with {a.shape[0]} rows (table {t.name})" for t, a in candidates
+                if a.shape[1] == width and a.dtype == code] or [held(candidates)]
+        why = f"pled holds {', '.join(same)}, but vLLM's {prefix} has {rows}: not this model's checkpoint"
+    st.refuse(why, once=f"find:{prefix}:{dtype}", instead="vLLM's own PLE path is used for it, a private pinned copy")
+    return None
 
 
 def _wrap_allocate(original):

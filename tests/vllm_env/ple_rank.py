@@ -61,7 +61,7 @@ class FakeCuda:
 
     def __init__(self):
         self.calls, self.unregistered, self.ranges = [], [], {}
-        self.read_only, self.refuse = True, False
+        self.read_only, self.refuse, self.pin = True, False, True
 
     def device(self):
         return 0
@@ -76,7 +76,8 @@ class FakeCuda:
         self.calls.append((ptr, nbytes, flags))
         if self.refuse:
             return 1  # cudaErrorInvalidValue
-        self.ranges[ptr] = nbytes
+        if self.pin:  # else: says it registered, pins nothing (a runtime pled must not trust blindly)
+            self.ranges[ptr] = nbytes
         return 0
 
     def unregister(self, ptr):
@@ -193,6 +194,26 @@ def warm(files: list[str]) -> None:
     gc.collect()
 
 
+def guard_refuses(module) -> str:
+    """What the module's UVA helper (pled's guard around it) says of a slice of pled's region that is not pinned."""
+    from pled.client import held_files
+
+    st = held_files.current()
+    if st is None or not st.mapped:
+        return "no pled table mapped"
+    _, _, table = st.mapped[0]
+    a = table.manifest.arrays[0]
+    import numpy as np
+    import torch
+
+    view = torch.from_numpy(np.frombuffer(table.buffer, dtype=np.uint8, count=a.row_bytes, offset=a.offset))
+    try:
+        module.get_accelerator_view_from_cpu_tensor(view)
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    return "taken"
+
+
 def run_case(case: dict, spec: dict, fake, real_empty, fake_empty) -> dict:
     import torch
 
@@ -200,6 +221,7 @@ def run_case(case: dict, spec: dict, fake, real_empty, fake_empty) -> dict:
     os.environ.pop("PLED_FALLBACK", None)
     os.environ.update(case.get("env", {}))
     fake.read_only, fake.refuse = case.get("read_only", True), case.get("refuse", False)
+    fake.pin = case.get("pin", True)
     torch.empty = fake_empty if case.get("fake_pin_memory", True) else real_empty
     tc = text_config(spec["text"], case["dtype"])
     files = sorted(os.path.join(case["checkpoint"], f) for f in os.listdir(case["checkpoint"])
@@ -294,6 +316,7 @@ def main() -> int:
         spec.pop("_copies", None)
         gc.collect()  # every module built is gone: their registrations are released by the finalizers
         result["unregistered"] = len(fake.unregistered)
+        result["guard"] = guard_refuses(pinned_module)  # pled's tables still mapped, nothing registered now
         result["still_registered"] = len(fake.ranges)
     print("PLED-RESULT " + json.dumps(result), flush=True)
     ps.destroy_model_parallel()
