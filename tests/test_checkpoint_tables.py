@@ -269,3 +269,37 @@ def test_a_client_of_the_previous_release_is_refused_naming_the_form(tmp_path, d
     assert arrays.startswith("BadRegion ") and "unknown key 'arrays'" in arrays, arrays
     assert sidecar == "attached ples_nvfp4"  # a sidecar table's manifest is as 0.1.0 wrote it
     shutil.rmtree(old)
+
+
+def test_a_checkpoint_staged_through_a_huge_page_mapping_is_byte_identical(tmp_path):
+    """The MADV_HUGEPAGE fill (a fixture sysfs that says 'advise'): each tensor copied into its array through the
+    writable mapping; what the kernel gives is its own answer, the bytes must be right either way."""
+    thp = tmp_path / "sys/sys/kernel/mm/transparent_hugepage"
+    thp.mkdir(parents=True)
+    (thp / "shmem_enabled").write_text("always within_size [advise] never deny force\n")
+    (thp / "hpage_pmd_size").write_text("2097152\n")
+    make_checkpoint(str(tmp_path / "m"), "nvfp4", {0: 30_000, 1: 31_000}, width=64, parts=16, files=2)
+    tensors = checkpoint_tensors(tmp_path / "m")
+    with staging.stage("t", open_checkpoint(str(tmp_path / "m")), sys_root=str(tmp_path / "sys")) as r:
+        assert r.stats.fill.method == staging.FAULT and region.is_sealed(r.fd)
+        data = os.pread(r.fd, r.manifest.region_bytes, 0)
+        for t in r.manifest.tensors:
+            assert data[t.offset:t.offset + t.nbytes] == tensors[t.name]
+
+
+@pytest.mark.root
+@pytest.mark.daemon
+def test_a_checkpoint_table_on_reserved_huge_pages_is_served_and_verified(tmp_path, daemon):
+    from hugepool import MiB2 as PAGE2M, reserve
+
+    make_checkpoint(str(tmp_path / "m"), "fp8", {0: 20_000, 1: 21_000}, width=64, parts=16, files=2)
+    with reserve(8) as given:
+        if given < 4:
+            pytest.skip(f"this host gave {given} of 8 pages of 2 MiB asked")
+        pled = daemon({"ple": {"checkpoint": tmp_path / "m"}}, huge_pages="hugetlb", huge_page_size="2M")
+        assert "huge pages 100% (hugetlb 2 MiB), sealed" in pled.log()
+        (t,) = json.loads(harness.run_pled("status", "--json", "--socket", pled.socket).stdout)["tables"]
+        assert t["page_size_bytes"] == PAGE2M and t["form"] == "arrays" and t["resident_share"] == 1.0
+        done = harness.run_pled("verify", "--socket", pled.socket)
+        assert done.returncode == 0 and done.stdout.count("identical (") == 2, done.stdout + done.stderr
+        assert pled.stop() == 0

@@ -11,7 +11,8 @@ FAKED, because this machine has no GPU (the test that runs this says so too):
 - Tensor.is_pinned: true where the storage lies in a range registered with the fake;
 - vLLM's UVA view (vllm.utils.torch_utils.get_accelerator_view_from_cpu_tensor, before vLLM's PLE module imports
   it by name): the tensor itself where it is pinned, else a private copy, as the real helper's cudaHostAlloc makes;
-- pin_memory=True in upstream's own allocation (torch.empty): dropped, as no accelerator backend exists here.
+- pin_memory=True in upstream's own allocation (torch.empty): dropped, as no accelerator backend exists here, and
+  the tensor taken as pinned (as a cudaHostAlloc'd one is).
 
 Usage: ple_rank.py SPEC_JSON (rank, world, init, vllm_path, text, cases; see tests/test_vllm_033_ple.py), or
 ple_rank.py sizes TEXT_JSON LAYERS_JSON: each layer's padded rows as vLLM computes them.
@@ -21,6 +22,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 import traceback
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -44,6 +46,12 @@ def rss_anon() -> int:
     return 0
 
 
+def rchar() -> int:
+    """Bytes this process has read through read(2) and the like (what safetensors reads of a file counts too)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
 def mapping_of(ptr: int) -> str:
     with open("/proc/self/maps") as f:
         for line in f:
@@ -61,6 +69,7 @@ class FakeCuda:
 
     def __init__(self):
         self.calls, self.unregistered, self.ranges = [], [], {}
+        self.host_allocs: dict[int, int] = {}  # pin_memory=True allocations: pinned, as cudaHostAlloc's are
         self.read_only, self.refuse, self.pin = True, False, True
 
     def device(self):
@@ -88,7 +97,7 @@ class FakeCuda:
         return f"fake error {code}"
 
     def pinned(self, ptr):
-        return any(p <= ptr < p + n for p, n in self.ranges.items())
+        return any(p <= ptr < p + n for p, n in (*self.ranges.items(), *self.host_allocs.items()))
 
 
 def install_fakes(fake):
@@ -111,7 +120,10 @@ def install_fakes(fake):
     real_empty = torch.empty
 
     def empty(*args, pin_memory=False, **kwargs):
-        return real_empty(*args, **kwargs)  # pin_memory dropped: no accelerator backend here
+        tensor = real_empty(*args, **kwargs)  # pin_memory dropped: no accelerator backend here,
+        if pin_memory:  # but the tensor is taken as pinned, as cudaHostAlloc's memory is on a GPU host
+            fake.host_allocs[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
 
     return copies, real_empty, empty
 
@@ -152,7 +164,7 @@ def digest(t) -> str:
     return hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def describe(module, fake, calls_before: int) -> dict:
+def describe(module, fake, calls_before: int, digests: bool = True) -> dict:
     """Where each pinned parameter lies, what was registered for it, and a digest of every parameter's bytes."""
     from pled.client import held_files
     from pled.shared.arrays import layer_key
@@ -162,7 +174,7 @@ def describe(module, fake, calls_before: int) -> dict:
     out = {"range": [e.shard_indices.org_vocab_start_index, e.shard_indices.org_vocab_end_index],
            "rows_total": e.num_embeddings_padded, "params": {}, "digests": {},
            "calls": [list(c) for c in fake.calls[calls_before:]]}
-    for name, p in dict(e.named_parameters()).items():
+    for name, p in dict(e.named_parameters()).items() if digests else ():
         out["digests"][name] = digest(p)
     for name, p in pinned_params(module).items():
         info = {"ptr": p.data_ptr(), "storage": p.untyped_storage().data_ptr(), "nbytes": p.numel() * p.element_size(),
@@ -229,14 +241,19 @@ def run_case(case: dict, spec: dict, fake, real_empty, fake_empty) -> dict:
     out: dict = {"layers": {}}
     kept = spec.setdefault("_kept", [])
     if os.environ.get("PLED_SOCKET") and case.get("warm", True):
+        start = time.perf_counter()
         warm(files)
+        out["warm_seconds"] = time.perf_counter() - start
     for layer in case["layers"]:
         rec: dict = {}
         out["layers"][str(layer)] = rec
         gc.collect()
         before, calls, copied = rss_anon(), len(fake.calls), len(spec["_copies"])
+        read_before, start = rchar(), time.perf_counter()
         try:
             module, rec["loaded"] = build_and_load(tc, layer, case.get("params_dtype", "bfloat16"), files)
+            rec["seconds"] = time.perf_counter() - start  # from construction to loaded
+            rec["rchar"] = rchar() - read_before
         except Exception as err:
             rec["error"] = f"{type(err).__name__}: {err}"
             rec["traceback"] = traceback.format_exc()[-3000:]
@@ -244,7 +261,7 @@ def run_case(case: dict, spec: dict, fake, real_empty, fake_empty) -> dict:
         gc.collect()
         rec["rss_anon_growth"] = rss_anon() - before
         rec["uva_private_copies"] = spec["_copies"][copied:]
-        rec.update(describe(module, fake, calls))
+        rec.update(describe(module, fake, calls, digests=not case.get("lean")))
         kept.append(module)
         if case.get("upstream"):  # the same table as vLLM builds it without pled (only pin_memory faked)
             socket = os.environ.pop("PLED_SOCKET", None)
