@@ -3,9 +3,11 @@ and a vLLM whose seam does not fit. The seams on the real 0.33 classes: tests/te
 
 A vLLM whose seams do not fit is a stand-in package written here (the real 0.33's fit): its ngram_embedding and
 ple modules have the classes by name, with other signatures, as a later vLLM might."""
+import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +15,7 @@ import harness
 from pled.generator import make_checkpoint
 
 PINNED = "vllm.models.qwen4_exp.common.ngram_embedding"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def python(code: str, **env) -> subprocess.CompletedProcess:
@@ -60,7 +63,7 @@ def test_a_seam_that_does_not_fit_fails_the_import_where_pled_serves_arrays(tmp_
     arrays = daemon({"ple": {"checkpoint": tmp_path / "m"}})
     files = daemon({"whole": sidecar("ples_int4", shards=2, rows=64)})
     code = f"import {PINNED} as m; print(m.Qwen4ExpPLEPinnedHostEmbedding.allocate_embedding_weight(None, 1, 2, 3))"
-    site = str(tmp_path / "site")
+    site = f"{tmp_path / 'site'}{os.pathsep}{ROOT}"  # the stand-in vLLM, and this tree's pled (a mutation's too)
     refused = python(code, PYTHONPATH=site, PLED_SOCKET=arrays.socket)
     assert refused.returncode == 1 and "vllm's own" not in refused.stdout
     (line,) = [x for x in refused.stderr.splitlines() if x.startswith("pled.client.ple_seams.SeamUnfit")]
