@@ -1,6 +1,7 @@
-"""The device check's kernels (bench/ple_kernels.py), on this machine, which has no GPU: what they carry from
-vLLM 0.33.0 names its source and licence, is vLLM's text, and computes what pled's reference says (run by
-Triton's CPU interpreter); the decoders they use read the bytes as pled's numpy reference does.
+"""The device check (bench/device_check.py, `make device-check`) on this machine, which has no GPU: it exits 0
+saying so in one line and in its JSON; its run call for the device tool fits the tool's limits; the kernels it
+carries from vLLM 0.33.0 name their source and licence, are vLLM's text, and compute what pled's reference says
+(run by Triton's CPU interpreter); the decoders they use read the bytes as pled's numpy reference does.
 
 Nothing here touches a GPU: what the check measures there is untested until it runs on one.
 """
@@ -8,12 +9,13 @@ import ast
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from bench import device_lookup
+from bench import device_check, device_lookup
 from pled.shared import dequant
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,6 +28,43 @@ CARRIED = {  # the function, and the vLLM 0.33.0 file it comes from
     "_lookup_nvfp4_ple_embedding_kernel": "models/qwen4_exp/common/ngram_embedding.py",
     "_lookup_ple_embedding_from_pinned_kernel": "models/qwen4_exp/common/ngram_embedding.py",
 }
+
+
+def test_without_cuda_it_says_so_and_exits_0(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path)}  # the device tool's variable: the JSON goes there
+    done = subprocess.run([sys.executable, "-m", "bench.device_check"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("device check: no CUDA: "), done.stdout
+    result = json.loads((tmp_path / "device_check.json").read_text())
+    assert result["cuda"] is False and result["reason"].startswith("no CUDA: ")
+    assert "pages" not in result and result["errors"] == []
+
+
+def test_the_run_call_fits_the_device_tool():
+    done = subprocess.run([sys.executable, "-m", "bench.device_check", "--plan"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    run, travel = plan["run"], plan["travel"]
+    assert run == device_check.RUN and len(run["command"]) <= 2000 and len(run["carry"]) <= 8
+    assert run["timeout_s"] <= 600 and "-m bench.device_check" in run["command"]
+    assert travel["total"] < travel["limit"] == 64 << 20
+    assert travel["tracked"] > 0 and set(travel["carried"]) == {".whl"}
+
+
+def test_the_makefile_documents_the_same_run_call():
+    """The Makefile's comment gives the command over several lines; joined, it is the one --plan prints."""
+    text = (ROOT / "Makefile").read_text().splitlines()
+    start = next(i for i, line in enumerate(text) if "run(carry=" in line)
+    assert '[".whl"]' in text[start] and f"timeout_s={device_check.RUN['timeout_s']}" in text[start]
+    parts = []
+    for line in text[start + 1:]:
+        if not line.startswith("#     "):
+            break
+        parts.append(line[len("#     "):].strip())
+    assert " ".join(parts).removesuffix(")") == device_check.COMMAND
 
 
 def test_the_carried_kernels_name_their_source_and_licence():
