@@ -19,12 +19,13 @@ What it measures, each figure from the run or the reason it could not be had:
   --rank of --world's rows, registered as the plugin registers them (a page-rounded, unaligned slice), looked up by
   the carried nvfp4 kernel through the CUDA view (cudaHostGetDevicePointer) into float32 and bf16 and compared with
   pled's numpy reference (bench/device_lookup.py); rows/s through pled's view against upstream's private pinned
-  copy (torch.empty(pin_memory=True) + copy_, the same rows), CUDA events, median and spread of --repeats;
+  copy (torch.empty(pin_memory=True) + copy_, the same rows) and, as the ceiling, the rows in the GPU's memory,
+  CUDA events, median and spread of --repeats;
 - on the first of thp, 4k that stages: two processes registering the same table (meminfo's Shmem and each
-  process's smaps and status, bench/device_child.py), and a GPU write through the read-only view in a child (a
-  kernel's store; cudaMemcpy and cudaMemset), the bytes read back after;
-- fp8 (a --fp8-mib checkpoint): the carried raw-rows kernel through pled's view equal to the rows' bytes, and its
-  rows/s against upstream's pinned copy.
+  process's smaps and status, bench/device_child.py);
+- fp8 (a --fp8-mib checkpoint, on thp else 4k): the carried raw-rows kernel through pled's view equal to the rows'
+  bytes, and its rows/s against upstream's pinned copy; last, GPU writes through the read-only view, each in a
+  child (a kernel's store; cudaMemcpy and cudaMemset): how each failed, and the bytes read back after.
 """
 from __future__ import annotations
 
@@ -150,20 +151,22 @@ def summary(result: dict) -> list[str]:
                      f" GiB/s (pinned {reg['is_pinned']}); nvfp4 lookup equal to pled's reference: float32 "
                      f"{look.get('float32', {}).get('equal')}, bf16 {look.get('bfloat16', {}).get('equal')}; rows/s "
                      f"pled {rates.get('pled', {}).get('median', 0):.3g} vs upstream "
-                     f"{rates.get('upstream', {}).get('median', 0):.3g}")
+                     f"{rates.get('upstream', {}).get('median', 0):.3g} (GPU memory "
+                     f"{rates.get('gpu_memory', {}).get('median', 0):.3g})")
         if "memory" in page:
             m = page["memory"]
-            pss = [c.get("mapping_smaps", {}).get("Pss") for c in m.get("children", [])]
-            lines.append(f"{kind}: two processes registering the same table: Shmem moved by "
-                         f"{m.get('shmem_delta_holding')} bytes for a {m.get('table_bytes')}-byte table; each "
-                         f"mapping's Pss {pss}; errors {[c['error'] for c in m.get('children', []) if 'error' in c]}")
-        if "write_fault" in page:
-            w = page["write_fault"]
-            lines.append(f"{kind}: GPU writes through the read-only view: store {w.get('store', {}).get('error')}; "
+            lines.append(f"{kind}: two processes registering the same {m.get('region_bytes')}-byte region: Rss of "
+                         f"each mapping {m.get('mapping_rss_each')}, Pss of both {m.get('mapping_pss_sum')}, RssAnon "
+                         f"growth {m.get('rss_anon_growth_each')}, Shmem moved by {m.get('shmem_delta_holding')}; "
+                         f"errors {[c['error'] for c in m.get('children', []) if 'error' in c]}")
+    if "fp8" in result:
+        f = result["fp8"]
+        lines.append(f"fp8: {json.dumps(f.get('lookup', f))[:300]}")
+        if "write_fault" in f:
+            w = f["write_fault"]
+            lines.append(f"GPU writes through the read-only view: store {w.get('store', {}).get('error')}; "
                          f"memcpy {w.get('copy', {}).get('memcpy')}; memset {w.get('copy', {}).get('memset')}; "
                          f"bytes unchanged {w.get('bytes_unchanged')}")
-    if "fp8" in result:
-        lines.append(f"fp8: {json.dumps(result['fp8'].get('lookup', result['fp8']))[:300]}")
     lines += [f"error: {e}" for e in result.get("errors", [])]
     lines.append(f"host settings restored: {result.get('host_restored')}; {result.get('seconds')} s")
     return lines
@@ -204,6 +207,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=131072, help="ids a lookup launch (default 131072)")
     p.add_argument("--launches", type=int, default=20, help="launches a timed round (default 20)")
     p.add_argument("--check-ids", type=int, default=65536, help="ids compared with the reference (default 65536)")
+    p.add_argument("--no-write-fault", dest="write_fault", action="store_false",
+                   help="skip the GPU writes through the read-only view (run last: a fault could spoil what follows)")
     p.add_argument("--child-timeout", type=float, default=120, help="seconds a child may take (default 120)")
     p.add_argument("--budget-s", type=float, default=270, help="no section starts after this (default 270)")
     p.add_argument("--plan", action="store_true", help="print the device run call and what would travel; no check")
@@ -234,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         run.result["errors"].append("interrupted (SIGINT or SIGTERM): the figures so far")
     except Exception as err:  # noqa: BLE001 - set-up failed (an import, CUDA's context): said in one line
         run.result["errors"].append(f"the check could not run: {one_line(err)}")
+        run.result["failed"] = True
     finally:
         run.write()
     try:
@@ -242,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyError, TypeError, ValueError) as err:
         print(f"device check: no summary ({one_line(err)}); the figures are in the JSON")
     print(f"device check: figures in {run.path}")
-    return 0
+    return 1 if run.result.get("failed") else 0
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ leaves the parent's context unharmed, and two of them show what two processes co
   as one JSON line, wait for a line on stdin, exit. ``memory()`` runs two at once and reads /proc/meminfo around.
 - ``store``: register the weight array, then write 4 KiB through its CUDA view with a kernel (``fill_``);
   ``copy``: the same pages written by ``cudaMemcpy`` (device to host) and ``cudaMemset`` on the device pointer.
-  Each prints how it failed (or that it wrote). ``write_fault()`` runs both and reads the pages before and after.
+  Each prints how it failed (or that CUDA said nothing). ``write_fault()`` runs both and reads the pages before
+  and after.
 """
 from __future__ import annotations
 
@@ -71,7 +72,8 @@ class Child:
 def memory(fd: int, spec: dict, work: Path, timeout: float) -> dict:
     """Two processes map and register the same region at once: /proc/meminfo before, with both holding it and
     after; each child's own figures. Shmem (or, on hugetlb, HugePages_Free) moving by the region's size would
-    mean a copy; each mapping's Pss is its share of the pages it maps with the other."""
+    mean a copy (other programs on the host move it too); each mapping's Pss is its share of the pages it maps
+    with the other, so the two add up to the region once; RssAnon growing by the table would be a private copy."""
     before = meminfo()
     children = [Child({**spec, "mode": "hold"}, fd, work / f"hold-{i}.log") for i in range(2)]
     try:
@@ -85,7 +87,13 @@ def memory(fd: int, spec: dict, work: Path, timeout: float) -> dict:
     def delta(a: dict, key: str):
         return holding.get(key, 0) - a.get(key, 0) if key in holding else None
 
-    return {"table_bytes": spec["table_bytes"], "children": seen, "exit_codes": codes,
+    maps = [c.get("mapping_smaps", {}) for c in seen]
+    return {"table_bytes": spec["table_bytes"], "region_bytes": os.fstat(fd).st_size,
+            "mapping_rss_each": [m.get("Rss", 0) + m.get("Shared_Hugetlb", 0) + m.get("Private_Hugetlb", 0)
+                                 for m in maps],
+            "mapping_pss_sum": sum(m.get("Pss", 0) for m in maps),
+            "rss_anon_growth_each": [c.get("rss_anon_growth_after_cuda") for c in seen],
+            "children": seen, "exit_codes": codes,
             "meminfo_before": before, "meminfo_holding": holding, "meminfo_after": after,
             "shmem_delta_holding": delta(before, "Shmem"),
             "hugepages_free_delta_holding": delta(before, "HugePages_Free"),

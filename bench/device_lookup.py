@@ -110,8 +110,9 @@ def summary(values: list[float]) -> dict:
 
 def rates(torch, sides: dict, lo: int, hi: int, batch: int, launches: int, repeats: int, row_bytes: int) -> dict:
     """Rows a second through each side's ``launch(ids)`` (one lookup of ``batch`` ids), timed by CUDA events over
-    ``launches`` launches, ``repeats`` times; sides alternate in order, every repeat draws new ids (uniform over
-    the rank's rows, the same for both sides), so no side finds the other's rows in the GPU's L2."""
+    ``launches`` launches, ``repeats`` times; the sides' order turns every repeat, and every repeat draws new ids
+    (uniform over the rank's rows, the same for every side; a side's rows lie elsewhere than another's, so none
+    finds another's in the GPU's L2)."""
     for launch in sides.values():  # compile and warm up
         launch(torch.randint(lo, hi, (batch,), device="cuda"))
     torch.cuda.synchronize()
@@ -119,7 +120,7 @@ def rates(torch, sides: dict, lo: int, hi: int, batch: int, launches: int, repea
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for rep in range(repeats):
         ids = torch.randint(lo, hi, (launches, batch), device="cuda")
-        names = list(sides) if rep % 2 == 0 else list(reversed(sides))
+        names = list(sides)[rep % len(sides):] + list(sides)[:rep % len(sides)]
         for name in names:
             start.record()
             for i in range(launches):
@@ -127,10 +128,9 @@ def rates(torch, sides: dict, lo: int, hi: int, batch: int, launches: int, repea
             end.record()
             end.synchronize()
             seen[name].append(launches * batch / (start.elapsed_time(end) / 1000))
-    out = {name: {**summary(v), "host_gb_per_s_median": statistics.median(v) * row_bytes / 1e9}
+    out = {name: {**summary(v), "row_gb_per_s_median": statistics.median(v) * row_bytes / 1e9}
            for name, v in seen.items()}
-    names = list(sides)
-    if len(names) == 2:
-        out["ratio_median"] = out[names[0]]["median"] / out[names[1]]["median"]
+    if "pled" in out and "upstream" in out:
+        out["pled_over_upstream_median"] = out["pled"]["median"] / out["upstream"]["median"]
     out.update(batch=batch, launches=launches, repeats=repeats, row_bytes=row_bytes)
     return out

@@ -1,5 +1,6 @@
 """The sections of bench/device_check.py that need CUDA: one per page kind (registration, lookups, rows/s; the
-memory of two processes and the write fault on the first of thp, 4k that stages) and fp8's lookup. Each returns
+memory of two processes on the first of thp, 4k that stages) and fp8's (lookups, rows/s, then GPU writes through
+the read-only view, last). Each returns
 its figures as a dict; bench/device_check.py runs them, writes them and reports a failure as one line.
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pled.client import host_register
 from pled.client.mapped_table import Table
 
 GiB = 1 << 30
-SHARED_CHECKS_ON = ("thp", "4k")  # the memory and write-fault checks run on the first of these that stages
+SHMEM_KINDS = ("thp", "4k")  # the memory check, and fp8's table, on the first of these that stages
 
 
 @dataclass
@@ -31,7 +32,7 @@ class Context:
     nvfp4: device_pages.Checkpoint | None = None
     fp8: device_pages.Checkpoint | None = None
     upstream: dict = field(default_factory=dict)  # (dtype, param) -> PinnedCopy of the rank's rows
-    shared_checks_done: bool = False
+    memory_done: bool = False
 
     @property
     def kernels(self):
@@ -110,10 +111,9 @@ def page_kind(ctx: Context, kind: str) -> dict:
             out.update(nvfp4_lookups(ctx, table, kind))
         finally:
             table.close()
-        if kind in SHARED_CHECKS_ON and not ctx.shared_checks_done:
-            ctx.shared_checks_done = True
-            out["memory"] = shared_check(ctx, region.fd, "memory")
-            out["write_fault"] = shared_check(ctx, region.fd, "write_fault")
+        if kind in SHMEM_KINDS and not ctx.memory_done:
+            ctx.memory_done = True
+            out["memory"] = memory(ctx, region.fd)
     return out
 
 
@@ -127,6 +127,7 @@ def nvfp4_lookups(ctx: Context, table: Table, kind: str) -> dict:
     try:
         out = {"rank_slice": {"world": ctx.args.world, "rank": ctx.args.rank, "rows": [lo, hi],
                               "registered": [rw.key, rs.key], "pinned": rw.pinned and rs.pinned,
+                              "register_seconds": rw.seconds + rs.seconds,
                               "start_page_aligned": rw.host % mmap.PAGESIZE == 0,
                               "device_pointer_is_host_pointer": rw.device().data_ptr() == rw.host}}
         out["lookup_nvfp4"] = device_lookup.check_nvfp4(torch, kernels, rw.device(), rs.device(), weight, scale,
@@ -143,8 +144,10 @@ def nvfp4_lookups(ctx: Context, table: Table, kind: str) -> dict:
             return lambda ids: kernels.lookup_nvfp4(wv, sv, g, ids, dest, c.width, lo, hi)
 
         a = ctx.args
+        hbm = (pw.cpu.to("cuda"), ps.cpu.to("cuda"))  # the ceiling: the same rows in the GPU's own memory
         out["rows_per_s"] = device_lookup.rates(torch, {"pled": side(rw.device(), rs.device()),
-                                                        "upstream": side(pw.device(), ps.device())},
+                                                        "upstream": side(pw.device(), ps.device()),
+                                                        "gpu_memory": side(*hbm)},
                                                 lo, hi, a.batch, a.launches, a.repeats, c.row_bytes)
         return out
     finally:
@@ -153,37 +156,37 @@ def nvfp4_lookups(ctx: Context, table: Table, kind: str) -> dict:
         rs.release()
 
 
-def shared_check(ctx: Context, fd: int, which: str) -> dict:
-    """Two processes holding the table, or a write through the view, in children (bench/device_child.py)."""
-    m = Table(os.dup(fd), 0, populate=False)
-    try:
-        a = _arrays(m)
-        spec = {"fd": fd, "rows": a["weight"].shape[0], "width": ctx.nvfp4.width,
-                "global_scale": ctx.nvfp4.global_scale, "table_bytes": ctx.nvfp4.nbytes, "ids": ctx.args.check_ids,
-                "weight": [a["weight"].offset, a["weight"].nbytes],
-                "scale": [a["weight_scale"].offset, a["weight_scale"].nbytes]}
-    finally:
-        m.close()
-    try:
-        if which == "memory":
-            return device_child.memory(fd, spec, ctx.work, ctx.args.child_timeout)
-        return device_child.write_fault(fd, spec, ctx.work, ctx.args.child_timeout)
-    except Exception as err:  # noqa: BLE001 - said in the figures, the run goes on
-        return {"error": f"{type(err).__name__}: {err}"}
+def _spec(table: Table, **more) -> dict:
+    """What a child needs of the region besides its fd: where the arrays lie."""
+    a = _arrays(table)
+    spec = {"rows": a["weight"].shape[0], "weight": [a["weight"].offset, a["weight"].nbytes], **more}
+    if "weight_scale" in a:
+        spec["scale"] = [a["weight_scale"].offset, a["weight_scale"].nbytes]
+    return spec
+
+
+def memory(ctx: Context, fd: int) -> dict:
+    """Two processes holding the nvfp4 table at once, registered and looked up (bench/device_child.py)."""
+    with Table(os.dup(fd), 0, populate=False) as m:
+        spec = _spec(m, fd=fd, width=ctx.nvfp4.width, global_scale=ctx.nvfp4.global_scale,
+                     table_bytes=ctx.nvfp4.nbytes, ids=ctx.args.check_ids)
+    return device_child.memory(fd, spec, ctx.work, ctx.args.child_timeout)
 
 
 def fp8(ctx: Context) -> dict:
     """The fp8 table on the first of thp, 4k that stages: the raw-rows kernel through pled's view against the rows'
-    bytes, and rows/s against upstream's pinned copy."""
+    bytes, and rows/s against upstream's pinned copy; then, the run's last check (a GPU fault could spoil what
+    came after it), writes through the registered read-only view, each in a child (bench/device_child.py)."""
     reasons = {}
-    for kind in SHARED_CHECKS_ON:
+    for kind in SHMEM_KINDS:
         try:
             with device_pages.staged(kind, ctx.fp8) as (region, said):
-                table = Table(os.dup(region.fd), 0, populate=True)
-                try:
-                    return {"kind": kind, "staged": said, **fp8_lookups(ctx, table, kind)}
-                finally:
-                    table.close()
+                with Table(os.dup(region.fd), 0, populate=True) as table:
+                    out = {"kind": kind, "staged": said, **fp8_lookups(ctx, table, kind)}
+                    spec = _spec(table, fd=region.fd)
+                if ctx.args.write_fault:
+                    out["write_fault"] = device_child.write_fault(region.fd, spec, ctx.work, ctx.args.child_timeout)
+                return out
         except device_pages.NotMeasured as err:
             reasons[kind] = str(err)
     raise device_pages.NotMeasured(f"no page kind staged: {reasons}")
