@@ -25,7 +25,7 @@ What it measures, each figure from the run or the reason it could not be had:
   process's smaps and status, bench/device_child.py);
 - fp8 (a --fp8-mib checkpoint, on thp else 4k): the carried raw-rows kernel through pled's view equal to the rows'
   bytes, and its rows/s against upstream's pinned copy; last, GPU writes through the read-only view, each in a
-  child (a kernel's store; cudaMemcpy and cudaMemset): how each failed, and the bytes read back after.
+  child (a kernel's store, cudaMemcpy, cudaMemset): how each failed, and the bytes read back after.
 """
 from __future__ import annotations
 
@@ -164,9 +164,9 @@ def summary(result: dict) -> list[str]:
         lines.append(f"fp8: {json.dumps(f.get('lookup', f))[:300]}")
         if "write_fault" in f:
             w = f["write_fault"]
-            lines.append(f"GPU writes through the read-only view: store {w.get('store', {}).get('error')}; "
-                         f"memcpy {w.get('copy', {}).get('memcpy')}; memset {w.get('copy', {}).get('memset')}; "
-                         f"bytes unchanged {w.get('bytes_unchanged')}")
+            said = "; ".join(f"{mode}: {w.get(mode, {}).get('error') or w.get(mode, {}).get('failed')}"
+                             for mode in ("store", "memcpy", "memset"))
+            lines.append(f"GPU writes through the read-only view: {said}; bytes unchanged {w.get('bytes_unchanged')}")
     lines += [f"error: {e}" for e in result.get("errors", [])]
     lines.append(f"host settings restored: {result.get('host_restored')}; {result.get('seconds')} s")
     return lines

@@ -5,10 +5,10 @@ leaves the parent's context unharmed, and two of them show what two processes co
 - ``hold``: map the region (pled.client.mapped_table.Table, populated), register its nvfp4 arrays through pled's
   seam (Mapped|ReadOnly), look rows up through the views (so the GPU reads the pages), print this process's figures
   as one JSON line, wait for a line on stdin, exit. ``memory()`` runs two at once and reads /proc/meminfo around.
-- ``store``: register the weight array, then write 4 KiB through its CUDA view with a kernel (``fill_``);
-  ``copy``: the same pages written by ``cudaMemcpy`` (device to host) and ``cudaMemset`` on the device pointer.
-  Each prints how it failed (or that CUDA said nothing). ``write_fault()`` runs both and reads the pages before
-  and after.
+- ``store``, ``memcpy``, ``memset``: register the weight array, then write its first 4 KiB through the CUDA view
+  with a kernel (``fill_``), by ``cudaMemcpy`` (device to host, to the host pointer), or by ``cudaMemset`` on the
+  device pointer. Each prints how it failed (or that CUDA said nothing; a child killed by a signal is said so).
+  ``write_fault()`` runs the three and reads the pages before and after.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import selectors
+import signal
 import subprocess
 import sys
 import time
@@ -25,6 +26,7 @@ from bench.device_procfs import meminfo, smaps_of, status_of
 
 ROOT = Path(__file__).resolve().parent.parent
 WRITE_BYTES = 4096
+WRITES = ("store", "memcpy", "memset")  # each in a child of its own: one that faults takes nothing else with it
 
 
 # -- the parent's side -------------------------------------------------------------------------------------------
@@ -49,12 +51,17 @@ class Child:
                         self.proc.wait(timeout=10)
                     except subprocess.TimeoutExpired:
                         break
-                    return {"error": f"exited {self.proc.returncode} without an answer: {self.last_error()}"}
+                    return {"error": f"{self.ended()} without an answer; its last line on stderr: "
+                                     f"{self.last_error()}"}
                 if text.startswith("{"):  # its answer; anything else a library printed is passed over
                     return json.loads(text)
         self.proc.kill()
         self.proc.wait()
         return {"error": f"no answer within {timeout:.0f} s; killed"}
+
+    def ended(self) -> str:
+        rc = self.proc.returncode
+        return f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exited {rc}"
 
     def last_error(self) -> str:
         lines = [ln for ln in self.log.read_text(errors="replace").splitlines() if ln.strip()]
@@ -101,12 +108,12 @@ def memory(fd: int, spec: dict, work: Path, timeout: float) -> dict:
 
 
 def write_fault(fd: int, spec: dict, work: Path, timeout: float) -> dict:
-    """A kernel's write and a copy engine's write through the registered read-only view, each in its own child;
-    the first 4 KiB of the weight array read (pread on the memfd) before and after."""
+    """Writes through the registered read-only view (a kernel's store, cudaMemcpy, cudaMemset), each in its own
+    child; the first 4 KiB of the weight array read (pread on the memfd) before and after."""
     offset = spec["weight"][0]
     before = hashlib.sha256(os.pread(fd, WRITE_BYTES, offset)).hexdigest()
     out = {}
-    for mode in ("store", "copy"):
+    for mode in WRITES:
         child = Child({**spec, "mode": mode}, fd, work / f"{mode}.log")
         out[mode] = child.line(timeout)
         out[mode]["exit_code"] = child.finish(30)
@@ -148,47 +155,48 @@ def _hold(spec: dict) -> dict:
             "rss_anon_growth_after_cuda": holding.get("RssAnon", 0) - with_cuda.get("RssAnon", 0)}
 
 
-def _store(spec: dict) -> dict:
+def _writer(spec: dict):
     from bench.device_cuda import Cuda, Registered
 
     cuda = Cuda()
     table = _table(spec)
-    reg = Registered(cuda, table.buffer, *spec["weight"], "weight (write test)")
-    view = reg.device()
+    return cuda, table, Registered(cuda, table.buffer, *spec["weight"], "weight (write test)")
+
+
+def _store(spec: dict) -> dict:
+    cuda, _table_kept, reg = _writer(spec)
+    out = {"how": "a kernel's store (torch fill_) through the CUDA view"}
     try:
-        view[:WRITE_BYTES].fill_(0xAB)
+        reg.device()[:WRITE_BYTES].fill_(0xAB)
         cuda.sync()
     except Exception as err:  # noqa: BLE001 - what failed, and how, is the figure
-        return {"failed": True, "how": "a kernel's store (torch fill_) through the CUDA view",
-                "error_type": type(err).__name__, "error": str(err).strip().splitlines()[0][:300]}
-    return {"failed": False, "how": "a kernel's store (torch fill_) through the CUDA view",
-            "error": "no CUDA error: see bytes_unchanged for whether the pages took the write"}
+        return {**out, "failed": True, "error_type": type(err).__name__,
+                "error": str(err).strip().splitlines()[0][:300]}
+    return {**out, "failed": False, "error": "no CUDA error: bytes_unchanged says whether the pages took it"}
 
 
-def _copy(spec: dict) -> dict:
-    from bench.device_cuda import Cuda, Registered
-
-    cuda = Cuda()
-    table = _table(spec)
-    reg = Registered(cuda, table.buffer, *spec["weight"], "weight (write test)")
-    dptr = reg.device().data_ptr()
+def _memcpy(spec: dict) -> dict:
+    cuda, _table_kept, reg = _writer(spec)
     src = cuda.torch.full((WRITE_BYTES,), 0xAB, dtype=cuda.torch.uint8, device="cuda")
-    out = {"how": "cudaMemcpy device-to-host into the registered pages, then cudaMemset on their device pointer"}
     code = cuda.lib.cudaMemcpy(reg.host, src.data_ptr(), WRITE_BYTES, 2)  # cudaMemcpyDeviceToHost
-    out["memcpy"] = {"code": code, "error": cuda.rt.error(code) if code else ""}
-    cuda.lib.cudaGetLastError()
-    code = cuda.lib.cudaMemset(dptr, 0xAB, WRITE_BYTES)
     sync = cuda.lib.cudaDeviceSynchronize()
-    out["memset"] = {"code": code, "error": cuda.rt.error(code) if code else "",
-                     "synchronize_code": sync, "synchronize_error": cuda.rt.error(sync) if sync else ""}
-    out["failed"] = out["memcpy"]["code"] != 0 and (out["memset"]["code"] != 0 or sync != 0)
-    return out
+    return {"how": "cudaMemcpy device-to-host into the registered pages", "failed": bool(code or sync),
+            "code": code, "error": cuda.rt.error(code) if code else "", "synchronize_code": sync}
+
+
+def _memset(spec: dict) -> dict:
+    cuda, _table_kept, reg = _writer(spec)
+    code = cuda.lib.cudaMemset(reg.device().data_ptr(), 0xAB, WRITE_BYTES)
+    sync = cuda.lib.cudaDeviceSynchronize()
+    return {"how": "cudaMemset on the registered pages' device pointer", "failed": bool(code or sync),
+            "code": code, "error": cuda.rt.error(code) if code else "", "synchronize_code": sync,
+            "synchronize_error": cuda.rt.error(sync) if sync else ""}
 
 
 def main() -> int:
     spec = json.loads(sys.argv[1])
     try:
-        result = {"hold": _hold, "store": _store, "copy": _copy}[spec["mode"]](spec)
+        result = {"hold": _hold, "store": _store, "memcpy": _memcpy, "memset": _memset}[spec["mode"]](spec)
     except Exception as err:  # noqa: BLE001 - said in one line to the parent, which reports it
         result = {"error": f"{type(err).__name__}: {str(err).strip()[:300]}"}
     print(json.dumps(result), flush=True)
