@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import struct
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -96,6 +97,7 @@ def staged(kind: str, checkpoint: Checkpoint) -> Iterator[tuple[region.Region, d
                                   f"({policy.effective if policy else 'no THP in this kernel'})")
             said = {"shmem_enabled_was": old, "shmem_enabled": policy.effective}
         elif kind == "hugetlb":
+            _this_tests_package()
             need = -(-region.plan(name, source).region_bytes // PMD_SIZE)
             given = stack.enter_context(reserve(need, PMD_SIZE))
             if given < need:
@@ -111,3 +113,17 @@ def staged(kind: str, checkpoint: Checkpoint) -> Iterator[tuple[region.Region, d
                     huge_bytes=r.stats.huge_bytes, region_bytes=r.manifest.region_bytes,
                     page_size_of_memfd=os.fstat(r.fd).st_blksize)
         yield r, said
+
+
+def _this_tests_package() -> None:
+    """bench/hugepages.py's ``reserve`` imports ``tests.hugepool``: make ``tests`` this repository's folder, so a
+    ``tests`` package some library installed into the device image's site-packages cannot stand in for it."""
+    import importlib.machinery
+    import importlib.util
+
+    here = str(Path(__file__).resolve().parent.parent / "tests")
+    known = sys.modules.get("tests")
+    if known is None or here not in list(getattr(known, "__path__", [])):
+        spec = importlib.machinery.ModuleSpec("tests", None, is_package=True)
+        spec.submodule_search_locations = [here]
+        sys.modules["tests"] = importlib.util.module_from_spec(spec)
