@@ -80,7 +80,7 @@ class Cuda:
         """A uint8 CUDA tensor of ``nbytes`` over registered or pinned host memory at ``host``; ``keep`` lives
         as long as it does."""
         ptr = self.device_pointer(host)
-        t = self.torch.as_tensor(_Interface(ptr, nbytes, keep), device="cuda")
+        t = self.torch.as_tensor(_Interface(ptr, nbytes, keep), device=f"cuda:{self.device}")  # its own: no copy
         if t.data_ptr() != ptr:
             raise CudaError(f"torch copied the __cuda_array_interface__ at {ptr:#x} instead of viewing it")
         return t
