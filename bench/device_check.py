@@ -135,6 +135,7 @@ def measure(args: argparse.Namespace, run: Run) -> None:
                 run.section(run.result, "fp8", fp8, ctx)
         finally:
             ctx.close()
+            run.result["cuda_views_made_by"] = cuda.views
             run.result["host_settings_after"] = device_pages.host_settings()
             run.result["host_restored"] = run.result["host_settings_after"] == host_before
 

@@ -45,6 +45,7 @@ class Cuda:
         self.lib.cudaMemcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         self.lib.cudaMemset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
         self.device = self.rt.device()
+        self.views: dict[str, int] = {}  # how the CUDA views were made, and how many
 
     def attribute(self, attr: int) -> int:
         value = ctypes.c_int(0)
@@ -78,11 +79,24 @@ class Cuda:
 
     def device_tensor(self, host: int, nbytes: int, keep: object):
         """A uint8 CUDA tensor of ``nbytes`` over registered or pinned host memory at ``host``; ``keep`` lives
-        as long as it does."""
+        as long as it does. By ``__cuda_array_interface__``; where torch will not view it so, by CuPy and DLPack
+        (``self.views`` counts which)."""
         ptr = self.device_pointer(host)
-        t = self.torch.as_tensor(_Interface(ptr, nbytes, keep), device=f"cuda:{self.device}")  # its own: no copy
+        try:
+            t = self.torch.as_tensor(_Interface(ptr, nbytes, keep), device=f"cuda:{self.device}")  # its own: no copy
+            why = "" if t.data_ptr() == ptr else "torch.as_tensor copied it"
+        except (RuntimeError, TypeError, ValueError) as err:
+            why = f"torch.as_tensor refused it: {err}"
+        if why:
+            import cupy
+
+            memory = cupy.cuda.UnownedMemory(ptr, nbytes, keep, self.device)
+            array = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0))
+            t = self.torch.from_dlpack(array)
+        how = f"cupy and DLPack ({why})" if why else "__cuda_array_interface__"
+        self.views[how] = self.views.get(how, 0) + 1
         if t.data_ptr() != ptr:
-            raise CudaError(f"torch copied the __cuda_array_interface__ at {ptr:#x} instead of viewing it")
+            raise CudaError(f"the CUDA view of {ptr:#x} is a copy at {t.data_ptr():#x} ({how})")
         return t
 
     def sync(self) -> None:
