@@ -39,7 +39,7 @@ class Cuda:
         self.torch = torch
         torch.zeros(1, device="cuda")  # the primary context, before anything is timed
         self.rt = host_register.runtime()
-        self.lib = self.rt._libcudart()  # the libcudart torch loaded (host_register's lookup)
+        self.lib = self.rt.libcudart()  # the libcudart torch loaded (host_register's lookup)
         self.lib.cudaHostGetDevicePointer.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
                                                       ctypes.c_uint]
         self.lib.cudaMemcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]

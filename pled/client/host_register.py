@@ -53,7 +53,7 @@ class Runtime:
 
     def read_only_supported(self, device: int) -> bool:
         value = ctypes.c_int(0)
-        code = self._libcudart().cudaDeviceGetAttribute(ctypes.byref(value), ATTR_READ_ONLY_SUPPORTED, device)
+        code = self.libcudart().cudaDeviceGetAttribute(ctypes.byref(value), ATTR_READ_ONLY_SUPPORTED, device)
         if code:
             raise RegistrationError(f"cudaDeviceGetAttribute(cudaDevAttrHostRegisterReadOnlySupported) failed on "
                                     f"device {device}: {self.error(code)}")
@@ -68,7 +68,7 @@ class Runtime:
     def error(self, code: int) -> str:
         return f"{self._cudart.cudaGetErrorString(code)} (error {code})"
 
-    def _libcudart(self) -> ctypes.CDLL:
+    def libcudart(self) -> ctypes.CDLL:
         """The libcudart torch loaded (found in /proc/self/maps), else one on the library path."""
         if self._lib is None:
             paths = []

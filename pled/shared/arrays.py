@@ -93,7 +93,8 @@ def parse(docs: object) -> tuple[ArrayEntry, ...]:
         columns = ("tensors", "begins", "starts", "digests")
         if len({len(a[c]) for c in columns}) != 1:
             raise ValueError(f"gives array {i} {', '.join(f'{len(a[c])} {c}' for c in columns)}: one of each a source")
-        out.append(ArrayEntry(**{k: tuple(v) if type(v) is list else v for k, v in a.items()}))
+        out.append(ArrayEntry(a["prefix"], a["param"], a["dtype"], tuple(a["shape"]), a["offset"], a["nbytes"],
+                              a["parts"], *(tuple(a[c]) for c in columns)))
     return tuple(out)
 
 
@@ -163,9 +164,9 @@ def place(source, data_offset: int, make_tensor, placeholder: str) -> tuple[list
             tensors.append(make_tensor(info.name, file_index, info.dtype, tuple(info.shape),
                                        offset + lo * row_bytes, info.nbytes))
             lo += rows
+        indices, begins, starts = (tuple(c) for c in zip(*sources, strict=True)) if sources else ((), (), ())
         entries.append(ArrayEntry(a.prefix, a.param, a.dtype, (lo, a.width), offset, lo * row_bytes, a.parts,
-                                  *(tuple(column) for column in zip(*sources, strict=True)) if sources
-                                  else ((), (), ()), (placeholder,) * len(sources)))
+                                  indices, begins, starts, (placeholder,) * len(sources)))
         offset = _align(offset + lo * row_bytes)
     return tensors, tuple(entries), offset
 
