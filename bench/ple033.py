@@ -11,7 +11,8 @@ worlds of 1, 2 and 3 vLLM processes, three ways side by side in one run:
 Per world and way: the time pled's tables take to attach in a rank (mapped and pre-faulted, before vLLM builds its
 tables; the pled and filled-from-pled ways), the time from the first table's construction to the last one loaded
 (the slowest rank),
-the bytes each rank read from files (/proc/self/io rchar), the private memory the tables took (RssAnon growth,
+the bytes the ranks made the kernel read from storage (/proc/self/io read_bytes: safetensors maps the files, so
+read(2)'s count would miss its reads), the private memory the tables took (RssAnon growth,
 after glibc returned what was freed, summed over ranks) against pled's region counted once (Shmem). The ranks are
 tests/vllm_env/ple_rank.py with vLLM 0.33's real classes; as there, only the CUDA calls are faked (no GPU here:
 registration, is_pinned, the UVA view; upstream's pin_memory is dropped, and its tensor taken as pinned).
@@ -67,8 +68,8 @@ def bench(work: Path, start_pled, repeats: int = 2, size_gib: float = 2.0) -> di
     pled = start_pled("ple033", {"qwen4": {"checkpoint": ck}})
     pled.wait_ready(timeout=900)
     region_shmem = _shmem() - before
-    out: dict = {"rows": rows, "table_bytes": sum(rows.values()) * ROW_BYTES, "region_shmem_bytes": region_shmem,
-                 "worlds": {}}
+    out: dict = {"rows": {str(k): v for k, v in rows.items()}, "table_bytes": sum(rows.values()) * ROW_BYTES,
+                 "region_shmem_bytes": region_shmem, "worlds": {}}
     try:
         for world in (1, 2, 3):
             per_way: dict = {}
@@ -91,12 +92,12 @@ def bench(work: Path, start_pled, repeats: int = 2, size_gib: float = 2.0) -> di
                         "attach_seconds": max(r["cases"]["t"].get("warm_seconds", 0.0) for r in reports),
                         "seconds": max(sum(r["cases"]["t"]["layers"][str(layer)]["seconds"] for layer in LAYERS)
                                        for r in reports),
-                        "rchar": sum(rec["rchar"] for rec in layers),
+                        "read_bytes": sum(rec["read_bytes"] for rec in layers),
                         "private_bytes": sum(rec["rss_anon_growth"] for rec in layers),
                         "views": all(all("expected" in p and p["ptr"] == p["expected"] for p in rec["params"].values())
                                      for rec in layers)})
                 per_way[way] = {k: _summary([r[k] for r in runs])
-                                for k in ("attach_seconds", "seconds", "rchar", "private_bytes")}
+                                for k in ("attach_seconds", "seconds", "read_bytes", "private_bytes")}
                 per_way[way]["views"] = all(r["views"] for r in runs)
                 _log(f"world {world}, {way}: {per_way[way]['seconds']['median']:.2f} s, "
                      f"{per_way[way]['private_bytes']['median'] / GiB:.2f} GiB private")
@@ -121,13 +122,13 @@ def ple033_section(res: dict) -> list[str] | None:
              f"{r['region_shmem_bytes'] / GiB:.2f} GiB to Shmem, once for every process. Each world is vLLM 0.33's "
              "real classes in gloo processes, only the CUDA calls faked (no GPU here). Medians, [min, max].", "",
              "| ranks | way | pled's tables attached (slowest rank) | construction to loaded (slowest rank) | read "
-             "from files, all ranks | private memory for the table, all ranks | views of pled's region |",
+             "from storage, all ranks | private memory for the table, all ranks | views of pled's region |",
              "|---|---|---|---|---|---|---|"]
     for world, ways in r["worlds"].items():
         for way, f in ways.items():
             attach = report.fmt(f["attach_seconds"], " s") if f["attach_seconds"]["max"] else "-"
             lines.append(f"| {world} | {way} | {attach} | {report.fmt(f['seconds'], ' s')} | "
-                         f"{report.fmt(f['rchar'], ' GiB', 1 / GiB)} | "
+                         f"{report.fmt(f['read_bytes'], ' GiB', 1 / GiB)} | "
                          f"{report.fmt(f['private_bytes'], ' GiB', 1 / GiB)} | {'yes' if f['views'] else 'no'} |")
     lines += ["", "Host memory for the table: pled's region once (the Shmem figure above) plus each rank's private "
               "memory; upstream's: each rank's private pinned copy of its rows, for every world and every restart.",

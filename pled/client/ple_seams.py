@@ -235,14 +235,17 @@ def _compare(layer, table, param, loaded, checkpoint_start) -> None:
     unsharded form), then the rows compared, never copied."""
     import torch
 
-    name = _source_name(table, param, checkpoint_start)
+    def name() -> str:  # for an error only: finding it walks the manifest
+        return _source_name(table, param, checkpoint_start)
+
     if loaded.dtype != param.dtype:
-        raise PledUnavailable(f"pled: {name} is {loaded.dtype}, and vLLM's table {param.dtype}: a cast, which pled's "
+        raise PledUnavailable(f"pled: {name()} is {loaded.dtype}, and vLLM's table {param.dtype}: a cast, which pled's "
                               "sealed table cannot take; serve a checkpoint in the model's dtype")
     start, end = layer.shard_indices.org_vocab_start_index, layer.shard_indices.org_vocab_end_index
     if checkpoint_start is None:  # the unsharded ngram_embedding.weight: this rank's rows of the whole table
         if loaded.ndim != param.ndim or loaded.shape[0] < end or loaded.shape[1:] != param.shape[1:]:
-            raise ValueError(f"{name}: {tuple(loaded.shape)} does not hold rows {start}..{end} of {tuple(param.shape)}")
+            raise ValueError(f"{name()}: {tuple(loaded.shape)} does not hold rows {start}..{end} of "
+                             f"{tuple(param.shape)}")
         source, target = loaded.narrow(0, start, end - start), param.narrow(0, 0, end - start)
     else:
         if param.ndim == 0 or loaded.ndim != param.ndim:
@@ -260,6 +263,6 @@ def _compare(layer, table, param, loaded, checkpoint_start) -> None:
     if source.data_ptr() == target.data_ptr() and source.stride() == target.stride():
         return  # pled served the checkpoint's tensor from the same array: the same bytes
     if not torch.equal(source.contiguous().view(torch.uint8), target.view(torch.uint8)):
-        raise PledUnavailable(f"pled: {name} differs from the rows pled's region holds for it (table {table.name} "
+        raise PledUnavailable(f"pled: {name()} differs from the rows pled's region holds for it (table {table.name} "
                               "generation "f"{table.generation}): the checkpoint changed since pled staged it; run "
                               "`pled reload`, then start vLLM again")

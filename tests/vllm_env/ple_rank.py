@@ -46,10 +46,11 @@ def rss_anon() -> int:
     return 0
 
 
-def rchar() -> int:
-    """Bytes this process has read through read(2) and the like (what safetensors reads of a file counts too)."""
+def read_bytes() -> int:
+    """Bytes this process made the kernel fetch from storage (/proc/self/io read_bytes: read(2) and mmap faults
+    alike, as safetensors reads a file by mapping it; what the page cache held already does not count)."""
     with open("/proc/self/io") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
 
 
 def mapping_of(ptr: int) -> str:
@@ -249,11 +250,11 @@ def run_case(case: dict, spec: dict, fake, real_empty, fake_empty) -> dict:
         out["layers"][str(layer)] = rec
         gc.collect()
         before, calls, copied = rss_anon(), len(fake.calls), len(spec["_copies"])
-        read_before, start = rchar(), time.perf_counter()
+        read_before, start = read_bytes(), time.perf_counter()
         try:
             module, rec["loaded"] = build_and_load(tc, layer, case.get("params_dtype", "bfloat16"), files)
             rec["seconds"] = time.perf_counter() - start  # from construction to loaded
-            rec["rchar"] = rchar() - read_before
+            rec["read_bytes"] = read_bytes() - read_before
         except Exception as err:
             rec["error"] = f"{type(err).__name__}: {err}"
             rec["traceback"] = traceback.format_exc()[-3000:]
