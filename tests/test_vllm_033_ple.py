@@ -191,7 +191,7 @@ def test_where_pled_is_off_vllms_own_path_is_unchanged(served, tmp_path):
     assert runs["not configured"][0]["seams"] == {"allocate": True, "uva": True}
     for k in runs:
         assert built[k]["digests"] == built["absent"]["digests"], k
-        assert all("expected" not in p and not p["pinned"] for p in built[k]["params"].values()), k
+        assert all("expected" not in p and "memfd" not in p["mapping"] for p in built[k]["params"].values()), k
         assert built[k]["calls"] == [], k
         assert "pin_memory=True requires" in unpinnable[k]["error"], unpinnable[k]
         assert unpinnable[k]["error"] == unpinnable["absent"]["error"], k

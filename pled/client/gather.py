@@ -101,7 +101,7 @@ class Gatherer:
         if manifest.layout not in LAYOUTS:
             what = ("a model checkpoint's PLE tables as arrays (vLLM 0.33's PLE path looks them up itself)"
                     if manifest.arrays else "a plain safetensors table")
-            raise ValueError(f"table {manifest.table} is {what}; gather needs a PLE sidecar's layout "
+            raise ValueError(f"table {manifest.table} is {what}; gather needs a PLE layout "
                              f"({', '.join(LAYOUTS)})")
         self.table, self.layout = manifest.table, manifest.layout
         self.rows, self.width = manifest.rows, manifest.row_width
