@@ -69,7 +69,7 @@ BAD_SHARDS = {  # how a shard goes bad -> words the refusal must hold
     "/proc/self/mem": (proc_mem, "/proc or /sys file"),
     "unix socket": (unix_socket, "Unix socket"),
     "fifo": (fifo, "FIFO"),
-    "nested header": (nested_header, "nests 5001 levels"),
+    "nested header": (nested_header, "nests more than 4 levels"),
     "5000-digit integer": (huge_int_header, "5000 digits"),
     "huge header": (huge_header, "pled reads headers of at most"),
     "repeated tensor": (repeated_key, "twice"),

@@ -58,11 +58,13 @@ def error(name: str, **parameters) -> dict:
 
 
 class Framer:
-    """Splits a byte stream into NUL-terminated messages, refusing any longer than ``limit``."""
+    """Splits a byte stream into NUL-terminated messages, refusing any longer than ``limit``. Each byte is searched
+    for the NUL once, however the stream is cut (a message trickled a byte at a time costs what it costs whole)."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._buf = bytearray()
+        self._searched = 0  # bytes of _buf known to hold no NUL
 
     @property
     def pending(self) -> int:
@@ -73,13 +75,15 @@ class Framer:
         self._buf += data
         messages = []
         while True:
-            end = self._buf.find(b"\0")
+            end = self._buf.find(b"\0", self._searched)
             if end < 0:
+                self._searched = len(self._buf)
                 break
             if end > self.limit:
                 raise MessageTooLong(f"message of {end} bytes exceeds the {self.limit}-byte limit")
             messages.append(bytes(self._buf[:end]))
             del self._buf[: end + 1]
+            self._searched = 0
         if len(self._buf) > self.limit:
             raise MessageTooLong(f"message over {self.limit} bytes without a terminating NUL")
         return messages
