@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, replace
 
 from pled.shared import arrays as arrays_form, layouts
 from pled.shared.arrays import ArrayEntry
-from pled.shared.boundary import clip, load_json
+from pled.shared.boundary import clip, in_time, load_json
 from pled.shared.digests import PLACEHOLDER as DIGEST_PLACEHOLDER
 from pled.shared.errors import RegionError
 from pled.shared.hugepages import PMD_SIZE
@@ -180,6 +180,7 @@ def _check_geometry(m: Manifest) -> None:
         raise ValueError(f"gives rows {m.rows}, width {m.row_width}, data at {m.data_offset} of {m.region_bytes} bytes")
     seen: dict[int, dict[str, TensorEntry]] = {i: {} for i in range(len(m.shards))}
     for t in m.tensors:
+        in_time(1024)  # within a caller's deadline (boundary.deadline: attach()'s timeout)
         if t.shard not in seen:
             raise ValueError(f"puts tensor {clip(t.name, 80)!r} in shard {t.shard}; there are {len(m.shards)} shards")
         if t.name in seen[t.shard]:
@@ -204,6 +205,7 @@ def _check_geometry(m: Manifest) -> None:
                              f"{end}..{m.region_bytes} of the region (after the header and the shards before it)")
         end = s.offset + s.size
     for t in m.tensors:
+        in_time(1024)
         s = m.shards[t.shard]
         if t.offset < s.offset or t.offset + t.nbytes > s.offset + s.size:
             raise ValueError(f"places tensor {clip(t.name, 80)!r} at bytes {t.offset}..{t.offset + t.nbytes}, outside "
