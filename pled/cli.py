@@ -156,6 +156,8 @@ def _status(args) -> int:
                          f"{t['shards']} checkpoint file(s)")
         if t.get("error"):
             notes.append(f"{t['table']}: {t['error']}")
+    if (st.get("daemon") or {}).get("metrics_file_error"):
+        notes.append(f"the metrics file cannot be written: {st['daemon']['metrics_file_error']}")
     for note in notes:
         say(f"  note: {note}")
     clients = st["clients"]
