@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import threading
 import time
 from dataclasses import replace
@@ -256,6 +257,84 @@ def test_a_reply_dripped_a_byte_a_second_ends_within_the_timeout(tmp_path, no_fd
     worker.join(10)
     assert took < 3.5, f"attach(timeout=2) was still waiting after {took:.1f} s (the timeout was per receive)"
     assert isinstance(outcome[0], DaemonUnavailable) and "did not answer io.pled.Attach within 2 s" in str(outcome[0])
+
+
+def attach_in_child(path: str, timeout: float, limit: float) -> tuple[float, str]:
+    """attach("t", timeout=...) in a forked child: (seconds it took, "<ErrorClass>: message" or "attached"); a
+    child still running after ``limit`` seconds is killed ("still running"). A child, not a thread: a parse that
+    holds the GIL would hold this test's clock too."""
+    r, w = os.pipe()
+    start = time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            try:
+                attach("t", socket=path, timeout=timeout, populate=False).close()
+                said = "attached"
+            except BaseException as err:  # noqa: BLE001 - what it raised is the outcome
+                said = f"{type(err).__name__}: {err}"
+            os.write(w, said.encode()[:4000])
+        finally:
+            os._exit(0)
+    os.close(w)
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() - start > limit:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            os.close(r)
+            return time.monotonic() - start, "still running"
+        time.sleep(0.01)
+    took = time.monotonic() - start
+    with os.fdopen(r) as f:
+        return took, f.read()
+
+
+ESCAPED_QUOTES = b'\\"'  # the text that froze pled and its clients (boundary.depth's regex)
+
+
+@pytest.mark.parametrize("what", ["reply", "manifest"])
+def test_a_reply_or_manifest_of_escaped_quotes_ends_attach_within_its_timeout(tmp_path, what):
+    """Finding 3: attach(timeout=1.0) was still running after 12 s on a 256 KiB reply of escaped quotes, and on a
+    sealed memfd whose 1 MiB manifest is made of them. Each is refused now, well within the timeout."""
+    if what == "reply":
+        reply, raw = ESCAPED_QUOTES * (128 * 1024), manifest().to_json()
+    else:
+        reply, raw = attach_reply(), ESCAPED_QUOTES * (512 * 1024)
+    data_offset = region.align(_PREFIX.size + len(raw))
+    server = FakeServer(str(tmp_path / "pled.sock"), reply, [memfd(header(raw, data_offset), data_offset + ALIGN)])
+    took, said = attach_in_child(server.path, 1.0, limit=5.0)
+    server.join()
+    assert took < 1.5, f"attach(timeout=1) took {took:.1f} s: {said[:300]}"
+    kind = "ProtocolError" if what == "reply" else "BadRegion"
+    assert said.startswith(kind) and "not JSON" in said, said[:300]
+
+
+@pytest.mark.slow
+def test_a_manifest_too_long_to_check_within_the_timeout_ends_attach_at_the_timeout(tmp_path):
+    """A server whose region's manifest (31 MiB: 400,000 tensors) takes longer to parse and check than the
+    timeout: attach(timeout=1) gives up at its timeout (DaemonUnavailable), not seconds later."""
+    n = 400_000
+    shard = ShardEntry(0, "/s", 0, 1, 2, 3, "a" * 64, ALIGN, 0, "")
+    tensors = tuple(TensorEntry(f"t{i}", 0, "U8", (0,), ALIGN, 0) for i in range(n))
+    raw = replace(manifest(), shards=(shard,), tensors=tensors).to_json()
+    data_offset = region.align(_PREFIX.size + len(raw))
+    start = time.perf_counter()
+    Manifest.from_json(raw)  # what the same check costs without a deadline: more than the timeout
+    unbounded = time.perf_counter() - start
+    server = FakeServer(str(tmp_path / "pled.sock"), attach_reply(),
+                        [memfd(header(raw, data_offset), data_offset + ALIGN)])
+    took, said = attach_in_child(server.path, 1.0, limit=3 * unbounded + 5)
+    server.join()
+    assert unbounded > 1.5, f"the manifest took only {unbounded:.2f} s to check: no test of the timeout"
+    assert took < 1.5 and said.startswith("DaemonUnavailable") and "did not end in time" in said, (took, said)
+
+
+def test_a_manifest_with_negative_dimensions_is_refused(tmp_path, no_fd_leak):
+    """Finding 7: [-4, -4] has the product 16 of a U8[16]: the shape's extents are checked before its size."""
+    m = manifest()
+    m = replace(m, tensors=(replace(m.tensors[0], shape=(-8, -8)),))
+    refused(tmp_path, memfd(region.encode_header(m)), match="shape that has a negative extent")
 
 
 # -- the vLLM plugin's fallback ------------------------------------------------------------------------------

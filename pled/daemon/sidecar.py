@@ -273,23 +273,34 @@ def _read_digests(directory: str, meta: dict, names: set[str]) -> dict:
         if not os.path.lexists(path):
             continue
         try:
-            lines = read_bounded(path, MAX_SUMS, sums).decode("utf-8").splitlines()
+            raw = read_bounded(path, MAX_SUMS, sums)
         except BoundaryError as err:
             raise SidecarError(path, f"{err}; fix or remove it") from err
-        except UnicodeDecodeError as err:
-            raise SidecarError(path, f"is not UTF-8 text ({err.reason}); fix or remove it") from err
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            hexdigest, _, name = line.partition(" ")
-            name = name.strip().lstrip("*")
-            if not _is_hex(algo, hexdigest) or not name:
-                raise SidecarError(path, f"line {number} is not '<hex>  <file name>'")
+        for name, hexdigest in parse_sums(path, algo, raw).items():
             found.setdefault(name, (algo, hexdigest, path))
     unknown = sorted(set(found) - names)
     if unknown:
         raise SidecarError(found[unknown[0]][2],
                            f"lists a digest for {clip(unknown[0], 80)}, which is not a shard of this table")
+    return found
+
+
+def parse_sums(path: str, algo: str, raw: bytes) -> dict[str, str]:
+    """A b3sum or sha256sum file's lines ("<hex>  <file name>", "*" before a binary one's name): name -> hex;
+    SidecarError names ``path`` and the line. One pass over the text."""
+    try:
+        lines = raw.decode("utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        raise SidecarError(path, f"is not UTF-8 text ({err.reason}); fix or remove it") from err
+    found: dict[str, str] = {}
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        hexdigest, _, name = line.partition(" ")
+        name = name.strip().lstrip("*")
+        if not _is_hex(algo, hexdigest) or not name:
+            raise SidecarError(path, f"line {number} is not '<hex>  <file name>'")
+        found.setdefault(name, hexdigest)
     return found
 
 
