@@ -143,6 +143,39 @@ def test_a_shape_of_60000_extents_is_refused_at_the_cost_of_a_few_json_loads():
     assert ratio <= JSON_BUDGET, f"{ratio:.1f}x json.loads"
 
 
+def test_a_config_of_long_dotted_keys_is_refused_in_linear_time():
+    """tomllib's time for a dotted key grows with the square of its parts (16 KiB: 2 s): a line holds at most
+    config_file.MAX_DOTS dots, counted before tomllib reads anything."""
+    p = PARSERS["config"]
+    with pytest.raises(p.errors, match="line 1 holds 4096 dots; at most 64"):
+        p.parse(p.worst["dotted key"](8192))
+    for shape in ("dotted key", "dotted table"):
+        ratio = _doubling(p.parse, p.worst[shape], 8 * 1024)
+        assert ratio <= DOUBLING_BUDGET, f"{shape}: 16 KiB took {ratio:.1f}x as long as 8 KiB"
+
+
+def test_a_message_trickled_a_byte_at_a_time_is_searched_once():
+    """The framers look for a message's NUL once per byte, however the stream is cut: a reply trickled in one byte
+    at a time (the client's framing of up to 8 MiB, the daemon's of up to 64 KiB) costs twice as much for twice
+    the bytes, not four times."""
+    def trickle(raw: bytes) -> None:
+        framer = protocol.Framer(protocol.MAX_REPLY)
+        for i in range(len(raw)):
+            framer.feed(raw[i:i + 1])
+
+    ratio = _doubling(trickle, lambda n: b"x" * n, 128 * 1024)
+    assert ratio <= DOUBLING_BUDGET, f"256 KiB trickled took {ratio:.1f}x as long as 128 KiB"
+
+
+def test_numbers_are_checked_wherever_one_could_be_too_long_or_infinite():
+    for text, words in ((b"[123456789012345678901]", "21 digits"), (b'{"a":[1E+0400]}', "out of range"),
+                        (b"[1e400]", "out of range"), (b"[-" + b"9" * 5000 + b"]", "5000 digits")):
+        with pytest.raises(boundary.BoundaryError, match=words):
+            boundary.load_json(text, max_bytes=1 << 20)
+    assert boundary.load_json(b"[18446744073709551615, 1.5e308, -1e-400]", max_bytes=100) == [2**64 - 1, 1.5e308,
+                                                                                               -0.0]
+
+
 # -- the short fuzz run ---------------------------------------------------------------------------------------
 
 _json_values = st.recursive(
