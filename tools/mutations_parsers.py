@@ -53,7 +53,7 @@ MUTATIONS = [
              "    if text.count(\".\") > MAX_DOTS:\n", "    if False:\n",
              (DOTTED,)),
     Mutation("numbers never checked (json.loads builds any integer, and infinity)", "pled/shared/boundary.py",
-             'if _numbers_to_check(data) else {}', 'if False else {}',
+             'check = _numbers_to_check(data)  #', 'check = False  #',
              (NUMBERS,)),
     Mutation("attach's manifest parsed and checked without its timeout", "pled/client/library.py",
              "        with parse_deadline(conn.deadline):  #", "        if True:  #",

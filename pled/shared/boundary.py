@@ -285,9 +285,10 @@ def load_json(raw: bytes | str, *, max_bytes: int, max_depth: int = MAX_DEPTH):
         raise BoundaryError(f"is not UTF-8 text ({err.reason} at byte {err.start})") from None
     if depth(data, max_depth) > max_depth:
         raise BoundaryError(f"nests more than {max_depth} levels deep")
-    numbers = {"parse_int": _int, "parse_float": _float} if _numbers_to_check(data) else {}
+    check = _numbers_to_check(data)  # else json.loads builds numbers itself (None: its own int and float)
     try:
-        return json.loads(text, parse_constant=_constant, object_pairs_hook=_pairs, **numbers)
+        return json.loads(text, parse_constant=_constant, object_pairs_hook=_pairs,
+                          parse_int=_int if check else None, parse_float=_float if check else None)
     except BoundaryError:
         raise
     except json.JSONDecodeError as err:
