@@ -337,6 +337,22 @@ def test_a_manifest_with_negative_dimensions_is_refused(tmp_path, no_fd_leak):
     refused(tmp_path, memfd(region.encode_header(m)), match="shape that has a negative extent")
 
 
+@pytest.mark.parametrize("fmt", ["text", "json", "prometheus"])
+@pytest.mark.parametrize("status", [{"tables": 5}, {"tables": [{"table": "t"}]}, {"tables": [], "uptime_seconds": []}])
+def test_pled_status_says_in_one_line_that_a_status_reply_is_not_pleds(tmp_path, fmt, status):
+    """The status renderers (text, Prometheus) against a server whose Status reply is JSON of another shape: one
+    line naming the socket, exit 1, no traceback."""
+    from harness import run_pled
+
+    server = FakeServer(str(tmp_path / "pled.sock"), json.dumps({"parameters": status}).encode())
+    r = run_pled("status", "--socket", server.path, "--format", fmt, timeout=60)
+    server.join()
+    assert "Traceback" not in r.stderr, r.stderr
+    if r.returncode != 0:  # json prints any object it was given
+        assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert server.path in r.stderr and "not one this pled can read" in r.stderr, r.stderr
+
+
 # -- the vLLM plugin's fallback ------------------------------------------------------------------------------
 
 def test_the_plugins_disk_fallback_sees_a_bad_region_as_a_client_error(tmp_path, monkeypatch, caplog, no_fd_leak):
