@@ -75,11 +75,12 @@ def test_pings_are_answered_within_a_second_while_a_member_sends_calls_of_escape
         for s in senders:
             s.connect(pled.socket)
             s.sendall(call)
-        assert live(pled) == 0
+        alive = live(pled)
         time.sleep(0.5)
         for s in senders:
             s.close()
-    print(f"{len(pinger.times)} Pings, slowest {pinger.slowest * 1000:.1f} ms")
+    print(f"{len(pinger.times)} Pings, slowest {pinger.slowest * 1000:.1f} ms; status --live exited {alive}")
+    assert alive == 0
     assert len(pinger.times) > 10 and pinger.slowest <= PING_BUDGET, f"slowest Ping {pinger.slowest:.2f} s"
 
 
@@ -119,9 +120,10 @@ def test_pings_are_answered_within_a_second_while_a_reload_reads_a_hostile_file(
     with Pinger(pled.socket) as pinger:
         time.sleep(0.2)
         r = run_pled("reload", "--socket", pled.socket, timeout=600)
-        assert live(pled) == 0
+        alive = live(pled)
+    print(f"{case}: {len(pinger.times)} Pings, slowest {pinger.slowest * 1000:.1f} ms; status --live exited {alive}")
+    assert alive == 0
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
     named = str(bad / ("META.json" if "META" in case else "shard_1.safetensors"))
     assert words in r.stderr and named in r.stderr, r.stderr[-2000:]
-    print(f"{case}: {len(pinger.times)} Pings, slowest {pinger.slowest * 1000:.1f} ms")
     assert len(pinger.times) > 5 and pinger.slowest <= PING_BUDGET, f"slowest Ping {pinger.slowest:.2f} s"
