@@ -39,9 +39,9 @@ MUTATIONS = [
              '    if b\'"\' in marks:\n'
              '        marks = b"".join(marks.split(b\'"\')[0::2])\n',
              '    import re\n'
-             '    marks = re.sub(rb\'"[^"\\\\\\\\]*(?:\\\\\\\\.[^"\\\\\\\\]*)*"\', b\'""\', raw, flags=re.DOTALL)'
+             '    marks = re.sub(rb\'"[^"\\\\]*(?:\\\\.[^"\\\\]*)*"\', b\'""\', raw, flags=re.DOTALL)'
              '.translate(None, _NOT_BRACKETS)\n',
-             (CALL, HEADER)),
+             (CALL,)),
     Mutation("the framer searches a trickled message from its start at each byte", "pled/shared/protocol.py",
              'end = self._buf.find(b"\\0", self._searched)', 'end = self._buf.find(b"\\0")',
              (TRICKLE,)),
