@@ -70,7 +70,7 @@ def _call(raw: bytes) -> object:
 
 
 def _reply(raw: bytes) -> object:
-    return boundary.load_json(raw, max_bytes=protocol.MAX_REPLY)
+    return boundary.load_json(raw, max_bytes=protocol.MAX_REPLY, max_values=protocol.MAX_REPLY_VALUES)
 
 
 def _header(raw: bytes) -> object:
@@ -92,7 +92,7 @@ def _header_shape(n: int) -> bytes:
 
 
 def _meta(raw: bytes) -> object:
-    meta = boundary.load_json(raw, max_bytes=sidecar.MAX_META)
+    meta = boundary.load_json(raw, max_bytes=sidecar.MAX_META, max_values=sidecar.MAX_META // 8)
     if not isinstance(meta, dict):
         raise PledError("not an object")
     sidecar_meta.check("META.json", meta, "ples_int4", 2, 128, 160)

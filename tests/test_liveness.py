@@ -95,10 +95,17 @@ def _header_of_many_extents(path) -> None:
     path.write_bytes(struct.pack("<Q", len(header)) + header)
 
 
+def _header_of_lists(path) -> None:
+    header = b'{"a":[' + b"[]," * (MAX_HEADER // 3 - 4) + b"[]]}"  # 2.8 million lists: no hook, all in json.loads
+    path.write_bytes(struct.pack("<Q", len(header)) + header)
+
+
 HOSTILE = {  # what the new table's directory gets -> words the reload's refusal holds
     "a shard header of escaped quotes": (lambda d: _header_of_escaped_quotes(d / "shard_1.safetensors"), "not JSON"),
     "a shard header whose shape has 60,001 extents": (lambda d: _header_of_many_extents(d / "shard_1.safetensors"),
                                                       "has 60001 dimensions"),
+    "a shard header of 2.8 million empty lists": (lambda d: _header_of_lists(d / "shard_1.safetensors"),
+                                                  "values"),
     "a META.json of escaped quotes": (lambda d: (d / "META.json").write_bytes(ESCAPED_QUOTES * (MAX_META // 2)),
                                       "not JSON"),
 }

@@ -118,7 +118,7 @@ class Connection:
                                     f"({err.strerror or err}); {_HINT}") from err
         try:
             with parse_deadline(deadline):
-                message = load_json(raw, max_bytes=protocol.MAX_REPLY)
+                message = load_json(raw, max_bytes=protocol.MAX_REPLY, max_values=protocol.MAX_REPLY_VALUES)
             if not isinstance(message, dict):
                 raise BoundaryError(f"is {type(message).__name__}, not an object")
             error, params = message.get("error"), message.get("parameters")

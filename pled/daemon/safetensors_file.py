@@ -26,6 +26,10 @@ DTYPE_BITS = region.DTYPE_BITS  # the dtypes a region may hold: one list, which 
 MAX_HEADER = 8 * 1024 * 1024
 MAX_TENSORS = 200_000
 HEADER_DEPTH = 4  # the header object, a tensor's object, its shape or offsets list (__metadata__ is flat)
+# Values (commas and brackets outside strings) a header may hold: ~7 a tensor, 9 bytes each at the densest, so the
+# most an 8 MiB header holds; what json.loads builds without a hook (lists, strings) stays within a few tenths of a
+# second of the GIL, which a reload's planning thread holds while it parses.
+HEADER_VALUES = MAX_HEADER // 8
 
 
 @dataclass(frozen=True)
@@ -98,7 +102,7 @@ def _pread_all(fd: int, length: int, offset: int) -> bytes:
 def parse_header(path: str, size: int, raw: bytes) -> SafetensorsHeader:
     header_len = len(raw)
     try:
-        doc = load_json(raw, max_bytes=MAX_HEADER, max_depth=HEADER_DEPTH)
+        doc = load_json(raw, max_bytes=MAX_HEADER, max_depth=HEADER_DEPTH, max_values=HEADER_VALUES)
     except BoundaryError as err:
         raise SidecarError(path, f"not a safetensors file: its header {err}") from err
     if not isinstance(doc, dict):

@@ -270,7 +270,7 @@ def _read_meta(path: str, sidecar: Sidecar) -> dict:
     if not os.path.lexists(path):
         return {}
     try:
-        meta = load_json(read_bounded(path, MAX_META, "META.json"), max_bytes=MAX_META)
+        meta = load_json(read_bounded(path, MAX_META, "META.json"), max_bytes=MAX_META, max_values=MAX_META // 8)
     except BoundaryError as err:
         raise SidecarError(path, f"cannot be read as JSON ({err}); fix or remove it") from err
     if not isinstance(meta, dict):

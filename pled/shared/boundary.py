@@ -41,7 +41,7 @@ MAX_INT_DIGITS = 20  # 2**64 - 1 has 20 digits: no size, offset or shape pled ac
 MAX_DEPTH = 16  # a call nests 2 levels, a header 3, META.json a few
 MAX_CLIP = 200  # characters of a peer's or file's text quoted back in a log line or an error
 
-_NOT_MARKS = bytes(set(range(256)) - set(b'"[]{}'))  # all but what decides the nesting: quotes and brackets
+_NOT_MARKS = bytes(set(range(256)) - set(b'"[]{},'))  # all but quotes, brackets and commas: nesting and counts
 _STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # an opening bracket one level down, a closing one up (-1)
 _NOT_BRACKETS = bytes(set(range(256)) - set(b"[]{}"))
 _DEPTH_CHUNK = 1 << 16  # brackets counted at a time, so that text past the limit is never counted
@@ -215,23 +215,28 @@ def read_bounded(path: str, limit: int, what: str = "file") -> bytes:
 
 # -- JSON ----------------------------------------------------------------------------------------
 
-def depth(raw: bytes, limit: int | None = None) -> int:
-    """How deep arrays and objects nest in UTF-8 JSON text ``raw`` (brackets inside strings do not count), without
-    recursing; past ``limit`` it stops counting and returns a figure above ``limit``.
+def outside_strings(raw: bytes) -> bytes:
+    """The brackets and commas of UTF-8 JSON text ``raw`` that lie outside its strings, in order.
 
     Linear in ``raw``, as a few passes of ``bytes`` methods: escaped backslashes and escaped quotes go first (a run
     of backslashes pairs up from its start, as JSON reads it), so every quote left opens or closes a string; of the
-    quotes and brackets, a quote next to a quote goes in pairs (which keeps every other quote's parity), and what
-    lies between an odd quote and the next is a string's; the brackets left are counted a chunk at a time.
-    (A regular expression for strings, ``"[^"\\\\]*(?:\\\\.[^"\\\\]*)*"``, did this in time that grew with the
-    square of the input on text of escaped quotes: each quote began a match that ran to the end and failed.)
-    Text that is not JSON may be counted any way: json.loads refuses it at or before the first place the count
-    and JSON part."""
+    quotes, brackets and commas, a quote next to a quote goes in pairs (which keeps every other quote's parity), and
+    what lies between an odd quote and the next is a string's. (A regular expression for strings,
+    ``"[^"\\\\]*(?:\\\\.[^"\\\\]*)*"``, did this in time that grew with the square of the input on text of escaped
+    quotes: each quote began a match that ran to the end and failed.) Text that is not JSON may be read any way:
+    json.loads refuses it at or before the first place where this reading and JSON's part."""
     text = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
     marks = text.translate(None, _NOT_MARKS).replace(b'""', b"")
     if b'"' in marks:
         marks = b"".join(marks.split(b'"')[0::2])
-    steps = array("b", marks.translate(_STEPS))
+    return marks
+
+
+def depth(raw: bytes, limit: int | None = None, *, marks: bytes | None = None) -> int:
+    """How deep arrays and objects nest in UTF-8 JSON text ``raw`` (brackets inside strings do not count), without
+    recursing; past ``limit`` it stops counting and returns a figure above ``limit``. Linear: ``outside_strings``
+    (or ``marks``, what it gave for ``raw``), then the brackets counted a chunk at a time."""
+    steps = array("b", (outside_strings(raw) if marks is None else marks).translate(_STEPS, b","))
     deepest = level = 0
     for start in range(0, len(steps), _DEPTH_CHUNK):
         chunk = steps[start:start + _DEPTH_CHUNK]
@@ -273,9 +278,10 @@ def _pairs(pairs: list) -> dict:
     return out
 
 
-def load_json(raw: bytes | str, *, max_bytes: int, max_depth: int = MAX_DEPTH):
-    """Parse JSON text within bounds: size, UTF-8, nesting depth, integer digits, no NaN, no repeated keys. Time
-    linear in ``raw``; memory a small multiple of it (what json.loads builds)."""
+def load_json(raw: bytes | str, *, max_bytes: int, max_depth: int = MAX_DEPTH, max_values: int | None = None):
+    """Parse JSON text within bounds: size, UTF-8, nesting depth, integer digits, no NaN, no repeated keys, and
+    (``max_values``) at most that many values (commas and brackets outside strings: what json.loads builds). Time
+    linear in ``raw``; memory a small multiple of it, and of ``max_values``."""
     data = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else bytes(raw)
     if len(data) > max_bytes:
         raise BoundaryError(f"is {len(data)} bytes of JSON; at most {max_bytes} are accepted")
@@ -283,7 +289,13 @@ def load_json(raw: bytes | str, *, max_bytes: int, max_depth: int = MAX_DEPTH):
         text = data.decode("utf-8")  # first: the depth is counted on UTF-8, where a byte '"' or '[' is that character
     except UnicodeDecodeError as err:
         raise BoundaryError(f"is not UTF-8 text ({err.reason} at byte {err.start})") from None
-    if depth(data, max_depth) > max_depth:
+    marks = outside_strings(data)
+    if max_values is not None:  # lists and strings cost json.loads time and memory, and call no hook that could
+        values = marks.count(b",") + marks.count(b"[") + marks.count(b"{")  # look at a deadline: bounded here
+        if values > max_values:  # (first: counted in C, where the depth is counted a chunk at a time)
+            raise BoundaryError(f"holds more than {max_values} values (about {values}); at most {max_values} are "
+                                "accepted")
+    if depth(data, max_depth, marks=marks) > max_depth:
         raise BoundaryError(f"nests more than {max_depth} levels deep")
     check = _numbers_to_check(data)  # else json.loads builds numbers itself (None: its own int and float)
     try:

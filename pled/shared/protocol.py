@@ -35,6 +35,10 @@ MAX_CALL_DEPTH = 8  # {"parameters": {...}} is 2 levels: deeper nesting is refus
 # The largest reply is Status: every table, and every attached client (at most fdlimit.CONNECTIONS_CAP, each a
 # few hundred bytes with its command line), about 2 MB at worst. The manifest travels in the region, not in replies.
 MAX_REPLY = 8 * 1024 * 1024
+# Values (boundary.load_json's count: commas and brackets outside strings) a reply may hold: a Status of every
+# client is ~10 a client. What json.loads builds without calling back (lists, strings) is bounded by this, so a
+# client's parse of any reply ends within a fraction of a second of its timeout.
+MAX_REPLY_VALUES = 1_000_000
 
 
 class MessageTooLong(ValueError):

@@ -43,6 +43,7 @@ _PREFIX = struct.Struct("<8sIIQQ32s")  # 64 bytes
 # list, one entry, a tensor's shape).
 MAX_MANIFEST = 64 * 1024 * 1024
 MANIFEST_DEPTH = 6  # the manifest, its arrays list, an array, its sources list, a source, its rows
+MANIFEST_VALUES = 2_000_000  # ~10 a tensor: 200,000 tensors (json.loads of that many empty lists: ~0.5 s)
 _PAGED_SLACK = 20  # header bytes kept free for a longer region_bytes (Manifest.paged): a u64 has at most 20 digits
 # Re-exported: the dtypes and rank a region's tensors may have (pled.shared.tensors), and the sealed memfd a region
 # lives in (pled.shared.memfd), as the daemon and the clients have always found them here.
@@ -158,7 +159,8 @@ class Manifest:
     @classmethod
     def from_json(cls, raw: bytes) -> Manifest:
         """Parse and check a manifest from untrusted bytes; ValueError says what is wrong with it."""
-        doc = fields_of(load_json(raw, max_bytes=MAX_MANIFEST, max_depth=MANIFEST_DEPTH), cls, "its top object")
+        doc = fields_of(load_json(raw, max_bytes=MAX_MANIFEST, max_depth=MANIFEST_DEPTH,
+                                    max_values=MANIFEST_VALUES), cls, "its top object")
         shards = [fields_of(s, ShardEntry, f"shard {i}") for i, s in enumerate(doc["shards"])]
         doc["shards"] = tuple(ShardEntry(**s) for s in shards)
         tensors = [fields_of(t, TensorEntry, f"tensor {i}") for i, t in enumerate(doc["tensors"])]
