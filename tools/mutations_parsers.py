@@ -34,13 +34,10 @@ KUSTOMIZE = "tests/test_deploy.py::test_every_kustomization_builds_as_kubectl_ap
 MUTATIONS = [
     Mutation("the JSON depth counted by a regular expression again (quadratic on escaped quotes)",
              "pled/shared/boundary.py",
-             '    text = raw.replace(b"\\\\\\\\", b"").replace(b\'\\\\"\', b"")\n'
-             '    marks = text.translate(None, _NOT_MARKS).replace(b\'""\', b"")\n'
-             '    if b\'"\' in marks:\n'
-             '        marks = b"".join(marks.split(b\'"\')[0::2])\n',
+             '    text = raw.replace(b"\\\\\\\\", b"").replace(b\'\\\\"\', b"")\n',
              '    import re\n'
-             '    marks = re.sub(rb\'"[^"\\\\]*(?:\\\\.[^"\\\\]*)*"\', b\'""\', raw, flags=re.DOTALL)'
-             '.translate(None, _NOT_BRACKETS)\n',
+             '    return re.sub(rb\'"[^"\\\\]*(?:\\\\.[^"\\\\]*)*"\', b"", raw, flags=re.DOTALL)'
+             '.translate(None, _NOT_MARKS).replace(b\'"\', b"")\n',
              (CALL,)),
     Mutation("the framer searches a trickled message from its start at each byte", "pled/shared/protocol.py",
              'end = self._buf.find(b"\\0", self._searched)', 'end = self._buf.find(b"\\0")',

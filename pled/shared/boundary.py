@@ -227,9 +227,14 @@ def outside_strings(raw: bytes) -> bytes:
     json.loads refuses it at or before the first place where this reading and JSON's part."""
     text = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
     marks = text.translate(None, _NOT_MARKS).replace(b'""', b"")
-    if b'"' in marks:
-        marks = b"".join(marks.split(b'"')[0::2])
-    return marks
+    if b'"' not in marks:
+        return marks
+    kept, inside = [], 0  # a chunk at a time: the pieces between quotes stay few at once (and in the caches)
+    for start in range(0, len(marks), _DEPTH_CHUNK):
+        pieces = marks[start:start + _DEPTH_CHUNK].split(b'"')
+        kept.append(b"".join(pieces[inside::2]))
+        inside ^= (len(pieces) - 1) & 1
+    return b"".join(kept)
 
 
 def depth(raw: bytes, limit: int | None = None, *, marks: bytes | None = None) -> int:
