@@ -179,6 +179,8 @@ PARSERS = {p.name: p for p in [
            {"dotted key": lambda n: b"a" + b".a" * (n // 2) + b" = 1\n",
             "dotted table": lambda n: b"[" + b"a." * (n // 2) + b"a]\n",
             "escaped quotes": lambda n: b'a = "' + b'\\"' * (n // 2) + b'"\n',
+            "escaped quotes on lines": lambda n: b'a = """' + b'\\"\\"\\"\n' * (n // 7) + b'"""\n',
+            "array on lines": lambda n: b"a = [\n" + b"1,\n" * (n // 3) + b"]\n",
             "tables": lambda n: b"".join(b"[t%d]\n" % i for i in range(n // 8)),
             "array": lambda n: b"a = [" + b"1," * (n // 2) + b"]\n",
             "digits": lambda n: b"a = " + b"1" * n + b"\n"}),

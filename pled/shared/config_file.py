@@ -20,15 +20,20 @@ MAX_DEPTH = 8
 # Dots a line may hold. A key lies on one line, and tomllib's time for a dotted key grows with the square of its
 # parts (a 16 KiB one took 2 s): bounded per line, the whole file parses in time linear in its size.
 MAX_DOTS = 64
+MAX_LINE = 16 * 1024  # characters a line may have: pled's config is a few dozen short lines, and tomllib's time on
+# one long line (a number, an inline array) grows faster than its length where the line outgrows the caches
 
 
 def parse_toml(text: str) -> dict:
     """``tomllib.loads`` within bounds: nesting (brackets before, dotted keys after) of at most MAX_DEPTH, at most
-    MAX_DOTS dots a line. BoundaryError or tomllib.TOMLDecodeError (ValueError, RecursionError: tomllib's own
-    int() and recursion) say what is wrong; the caller names the file."""
+    MAX_DOTS dots and MAX_LINE characters a line. BoundaryError or tomllib.TOMLDecodeError (ValueError,
+    RecursionError: tomllib's own int() and recursion) say what is wrong; the caller names the file."""
     check_json_depth_text(text, MAX_DEPTH)
-    if text.count(".") > MAX_DOTS:
+    if text.count(".") > MAX_DOTS or len(text) > MAX_LINE:
         for number, line in enumerate(text.split("\n"), 1):
+            if len(line) > MAX_LINE:
+                raise BoundaryError(f"line {number} has {len(line)} characters; at most {MAX_LINE} are accepted "
+                                    "(no line of a pled config is that long)")
             if line.count(".") > MAX_DOTS:
                 raise BoundaryError(f"line {number} holds {line.count('.')} dots; at most {MAX_DOTS} are accepted "
                                     "(no key of pled's has more than a few parts)")
