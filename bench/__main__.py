@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench import hugepages, offload, report, soak, status_cli, table_gather  # sections 5-9 of the report, by number
+from bench import hugepages, offload, ple033, report, soak, status_cli, table_gather  # sections 5-10, by number
 from pled.daemon import staging
 from pled.daemon.sidecar import open_table
 from pled.generator import make_sidecar
@@ -317,6 +317,7 @@ def main() -> int:
     p.add_argument("--no-huge-pages", action="store_true",
                    help="do not switch shmem_enabled to advise for the huge-page runs")
     p.add_argument("--soak-seconds", type=float, default=120.0, help="bench/soak.py's duration (0: skip it)")
+    p.add_argument("--ple033-gib", type=float, default=2.0, help="section 10's PLE tables (vLLM 0.33's own path)")
     p.add_argument("--workdir", default="/var/tmp")
     p.add_argument("--out", default=str(ROOT / "docs" / "BENCHMARKS.md"))
     p.add_argument("--json", default=str(ROOT / "docs" / "benchmarks.json"))
@@ -377,6 +378,11 @@ def main() -> int:
         # its own published-shape sidecar and pled: the worker refuses the benchmark's table of another shape
         res["offload_worker"] = offload.bench(work, lambda name, tables: start(work, tables, name=name, wait=None),
                                               a.repeats, a.requests, a.ids)
+        if (ROOT / ".cache" / "vllm-0.33.0" / ".ready").exists():
+            res["ple033"] = ple033.bench(work, lambda name, tables: start(work, tables, name=name, wait=None),
+                                         a.repeats, a.ple033_gib)
+        else:
+            log("section 10 (vLLM 0.33's PLE path) not measured: no .cache/vllm-0.33.0 (make vllm-env makes it)")
         for dm in daemons:
             dm.stop(timeout=60)
         res["restart"] = bench_restart(work, d, a.repeats)

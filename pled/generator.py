@@ -151,7 +151,7 @@ def make_checkpoint(directory: str, dtype: str = "nvfp4", rows: dict[int, int] |
     for k in range(files):
         chunk = tensors[k * per_file:(k + 1) * per_file]
         path = os.path.join(directory, f"model-{k + 1:05d}-of-{files:05d}.safetensors")
-        write(path, [(n, d, s, memoryview(np.ascontiguousarray(a)).cast("B")) for n, d, s, a in chunk],
+        write(path, [(n, d, s, np.ascontiguousarray(a).reshape(-1).view(np.uint8).data) for n, d, s, a in chunk],
               metadata={"format": "pt"})
         weight_map.update({n: os.path.basename(path) for n, _, _, _ in chunk})
         paths.append(path)

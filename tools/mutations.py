@@ -199,6 +199,7 @@ def every_mutation() -> list[Mutation]:
     """This file's list and those of the test areas that keep their own (imported here, not at the top: they import
     this module's Mutation, and this module runs as ``__main__``)."""
     import mutations_access
+    import mutations_arrays
     import mutations_hugetlb
     import mutations_journal
     import mutations_metrics
@@ -206,7 +207,8 @@ def every_mutation() -> list[Mutation]:
     import mutations_reload
 
     return [*MUTATIONS, *mutations_access.MUTATIONS, *mutations_reload.MUTATIONS, *mutations_metrics.MUTATIONS,
-            *mutations_journal.MUTATIONS, *mutations_hugetlb.MUTATIONS, *mutations_parsers.MUTATIONS]
+            *mutations_journal.MUTATIONS, *mutations_hugetlb.MUTATIONS, *mutations_arrays.MUTATIONS,
+            *mutations_parsers.MUTATIONS]
 
 
 def main(mutations: list[Mutation] | None = None) -> int:

@@ -99,7 +99,9 @@ class Gatherer:
     def __init__(self, manifest, data: torch.Tensor) -> None:
         """``data``: the whole mapping as a 1-D uint8 tensor (a view, not a copy)."""
         if manifest.layout not in LAYOUTS:
-            raise ValueError(f"table {manifest.table} is a plain safetensors table; gather needs a PLE layout "
+            what = ("a model checkpoint's PLE tables as arrays (vLLM 0.33's PLE path looks them up itself)"
+                    if manifest.arrays else "a plain safetensors table")
+            raise ValueError(f"table {manifest.table} is {what}; gather needs a PLE sidecar's layout "
                              f"({', '.join(LAYOUTS)})")
         self.table, self.layout = manifest.table, manifest.layout
         self.rows, self.width = manifest.rows, manifest.row_width

@@ -109,6 +109,7 @@ def settings() -> Settings | None:
 class Held:
     table: object  # pled.client.Table
     shard: object  # pled.shared.region.ShardEntry
+    partial: bool = False  # a checkpoint file of an arrays table: pled holds its PLE tensors, not the rest
 
 
 @dataclass
@@ -122,6 +123,11 @@ class State:
     served: dict[tuple[str, str], set] = field(default_factory=dict)
     reported: set = field(default_factory=set)  # (table, seam) whose every file was reported
     unviewable: set[str] = field(default_factory=set)  # real paths said to be read from disk (a dtype torch lacks)
+    # arrays tables (vLLM 0.33's PLE path, pled.client.ple_seams): layer key -> [(table, ArrayEntry)], and where
+    # each such table is mapped in this process: [(start, end, table)]
+    arrays: dict[str, list] = field(default_factory=dict)
+    mapped: list[tuple[int, int, object]] = field(default_factory=list)
+    said: set = field(default_factory=set)  # keys of warnings said once a process
 
     def lookup(self, path: str) -> Held | None:
         """The region holding ``path``, if it is a file pled staged and it is unchanged; else None or an error.
@@ -147,12 +153,25 @@ class State:
             return None
         return held
 
-    def refuse(self, problem: str) -> None:
+    def refuse(self, problem: str, instead: str = "reading from disk instead", once: str | None = None) -> None:
+        """Without the fallback, raise PledUnavailable with ``problem``; with ``fallback = "disk"``, warn (once a
+        process per ``once`` key, where given) and return: the caller then does what vLLM does without pled."""
         if self.settings.fallback == "disk":
-            emit(logging.WARNING, "pled: %s; reading from disk instead (fallback = \"disk\")", problem)
+            with _lock:
+                if once is not None and once in self.said:
+                    return
+                self.said.add(once)
+            emit(logging.WARNING, "pled: %s; %s (fallback = \"disk\")", problem, instead)
             return
         raise PledUnavailable(f"pled: {problem}; {HINT}, or set \"fallback\": \"disk\" "
                               "(PLED_FALLBACK=disk) to read from disk")
+
+    def holding(self, ptr: int) -> object | None:
+        """The arrays table whose mapping holds address ``ptr`` in this process, if any."""
+        for start, end, table in self.mapped:
+            if start <= ptr < end:
+                return table
+        return None
 
     def count(self, held: Held, seam: str) -> None:
         with _lock:
@@ -171,9 +190,10 @@ class State:
                 if complete_only:
                     self.reported.add((name, how))
                 del self.served[(name, how)]
-                emit(logging.INFO, "pled: pid %d mapped table %s (generation %d): %d of %d files, %s from shared "
+                what = "files" if t.manifest.form == "files" else "checkpoint files' PLE tensors"
+                emit(logging.INFO, "pled: pid %d mapped table %s (generation %d): %d of %d %s, %s from shared "
                      "memory, 0 bytes read from disk for them, through %s (pre-fault %.0f ms)", os.getpid(), name,
-                     t.generation, len(paths), len(t.shards), gib(t.manifest.source_bytes), seam,
+                     t.generation, len(paths), len(t.shards), what, gib(t.manifest.source_bytes), seam,
                      t.populate_seconds * 1000)
 
     def report_the_rest(self) -> None:
@@ -185,6 +205,11 @@ class State:
 _state: State | None = None
 
 
+def current() -> State | None:
+    """What this process has attached so far (None before the first file or table was asked for); attaches nothing."""
+    return _state
+
+
 def state() -> State | None:
     """Attach (once per process) the tables pled serves; None when pled is not enabled here."""
     global _state
@@ -193,6 +218,7 @@ def state() -> State | None:
         if s is None:
             return None
         if _state is not None and _state.settings.socket == s.socket:
+            _state.settings = s  # the fallback as set now (the tables stay those attached)
             return _state
         st = State(s)
         _attach_all(st)  # raises where pled cannot serve and there is no fallback: the next load tries again
@@ -225,8 +251,13 @@ def _attach_all(st: State) -> None:
         for name in names:
             table = client.attach(name, socket=s.socket, populate=s.populate, wait=True, timeout=600)
             st.tables[name] = table
+            partial = table.manifest.form == "arrays"
             for shard in table.shards:
-                st.files[shard.path] = Held(table, shard)
+                st.files[shard.path] = Held(table, shard, partial)
+            for entry in table.manifest.arrays:
+                st.arrays.setdefault(entry.key, []).append((table, entry))
+            if partial:
+                st.mapped.append((table.address, table.address + len(table.buffer), table))
     except client.NoSuchTable as err:
         st.refuse(f"a configured table is not served: {err}")
     except client.ClientError as err:

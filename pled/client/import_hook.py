@@ -29,10 +29,14 @@ def after_import(name: str, callback: Callable) -> None:
 
 
 def _call(callback, module) -> None:
-    """A fault in pled's own wrapping never breaks the program's import: one line, and the module as it was."""
+    """A fault in pled's own wrapping never breaks the program's import: one line, and the module as it was; except
+    an error that says it must (``fatal_to_import``: a seam pled needs does not fit, and going on would quietly give
+    vLLM's private copies of tables pled serves)."""
     try:
         callback(module)
     except Exception as err:
+        if getattr(err, "fatal_to_import", False):
+            raise
         sys.stderr.write(f"pled: could not wrap {module.__name__} ({type(err).__name__}: {err}); "
                          "files are read from disk there\n")
 

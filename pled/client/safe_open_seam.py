@@ -152,6 +152,7 @@ class PledSafeOpen:
         self._held = held
         self._table = held.table
         self._entries = held.table.shard_entries(held.shard.index)  # name -> index in the table's manifest
+        self._partial = held.partial  # a checkpoint file pled holds the PLE tensors of: the rest from the file
         self._numpy = framework in NUMPY
         self._pread = backend == "pread"  # safetensors then slices as for numpy, and reshapes F4 as it does there
         self._open = True
@@ -163,25 +164,40 @@ class PledSafeOpen:
         if not self._open:
             raise _error("File is closed")
 
-    def _find(self, name) -> int:
+    def _find(self, name) -> int | None:
+        """The tensor's index in the table's manifest; None for one of a partly held file that pled does not hold."""
         if not isinstance(name, str):
             raise TypeError(f"argument 'name': '{type(name).__name__}' object is not an instance of 'str'")
         self._check()
         if name not in self._entries:
+            if self._partial:
+                return None
             raise _error(f"File does not contain tensor {name}")
         return self._entries[name]
 
+    def _file(self):
+        """The real safe_open of this file (its header read, none of its data), for what pled does not hold."""
+        if self._real is None:
+            self._real = self._opener()
+            if not self._open:
+                self._real.__exit__(None, None, None)
+        return self._real
+
     def keys(self) -> list[str]:
         self._check()
-        return sorted(self._entries)
+        return self._file().keys() if self._partial else sorted(self._entries)
 
     def offset_keys(self) -> list[str]:
         self._check()
+        if self._partial:
+            return self._file().offset_keys()
         tensors = self._table.manifest.tensors
         return sorted(self._entries, key=lambda n: (tensors[self._entries[n]].offset, tensors[self._entries[n]].nbytes))
 
     def metadata(self) -> dict[str, str] | None:
         self._check()
+        if self._partial:  # the file's header is not in an arrays region
+            return self._file().metadata()
         if self._metadata is None:  # the file's header, as it lies in the region
             import json
 
@@ -192,6 +208,8 @@ class PledSafeOpen:
 
     def get_tensor(self, name: str):
         index = self._find(name)
+        if index is None:
+            return self._file().get_tensor(name)
         if self._numpy:
             return self._table.array(index)
         if self._pread:
@@ -201,8 +219,11 @@ class PledSafeOpen:
     def get_tensors(self) -> dict:
         return {name: self.get_tensor(name) for name in self.offset_keys()}
 
-    def get_slice(self, name: str) -> _Slice:
-        return _Slice(self._table, self._find(name), self._numpy, self._pread)
+    def get_slice(self, name: str):
+        index = self._find(name)
+        if index is None:
+            return self._file().get_slice(name)
+        return _Slice(self._table, index, self._numpy, self._pread)
 
     def prefetch(self, plan=None) -> None:
         """safetensors' prefetch (its main branch, unreleased): nothing to fetch, the tensors are in memory."""
@@ -220,11 +241,7 @@ class PledSafeOpen:
         """What safetensors added after this stand-in was written: from a real safe_open of the file."""
         if name.startswith("_") or self.__dict__.get("_opener") is None:
             raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
-        if self._real is None:
-            self._real = self._opener()
-            if not self._open:
-                self._real.__exit__(None, None, None)
-        value = getattr(self._real, name)  # the real object's own AttributeError where it has none either
+        value = getattr(self._file(), name)  # the real object's own AttributeError where it has none either
         if name not in _fell_through:
             from pled.client import held_files
 

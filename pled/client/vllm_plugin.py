@@ -24,6 +24,8 @@ import threading
 from pled.client import import_hook, safe_open_seam
 
 ITERATOR = "safetensors_weights_iterator"
+PLE_MODULE = "vllm.models.qwen4_exp.common.ple"  # vLLM 0.33's PLE path: pled.client.ple_seams (its names there)
+PINNED_MODULE = "vllm.models.qwen4_exp.common.ngram_embedding"
 WEIGHT_UTILS = "vllm.model_executor.model_loader.weight_utils"
 DEFAULT_LOADER = "vllm.model_executor.model_loader.default_loader"
 # What the iterator wrapper relies on: the iterator's first two parameters, and two helpers beside it.
@@ -63,7 +65,9 @@ def _fits(module, target) -> str | None:
 def _wrap_iterator(original, module):
     """vLLM's iterator, called once per call with every file pled does not hold and every argument it was
     given (its prefetch shards by rank over that whole list, sizes it against RAM, draws one progress bar);
-    the files pled holds are yielded from the region, in vLLM's order, after the original's."""
+    the files pled holds are yielded from the region, in vLLM's order, after the original's: whole files from the
+    region, and a checkpoint file pled holds the PLE tensors of (an arrays table) through safe_open, as vLLM's own
+    iterator reads it, its PLE tensors from the region (outside vLLM's prefetch, which would read them)."""
     import inspect
 
     from pled.client import held_files
@@ -90,6 +94,12 @@ def _wrap_iterator(original, module):
         for path in served:
             h = held[path]
             st.count(h, ITERATOR)
+            if h.partial:  # a checkpoint file pled holds the PLE tensors of: read as vLLM reads it, through safe_open
+                with module.safe_open(path, framework="pt") as f:  # pled's seam: the PLE tensors from the region
+                    for name in f.keys():  # noqa: SIM118 (a safe_open handle, as vLLM iterates it)
+                        if not module.should_skip_weight(name, experts):
+                            yield name, f.get_tensor(name)
+                continue
             for name, tensor in h.table.shard_tensors(h.shard.index).items():
                 if not module.should_skip_weight(name, experts):
                     yield name, tensor
@@ -157,3 +167,18 @@ def register() -> None:
         safe_open_seam.install()
         import_hook.after_import(WEIGHT_UTILS, _patch_weight_utils)
         import_hook.after_import(DEFAULT_LOADER, _patch_default_loader)
+        # vLLM 0.33's own PLE path (pled.client.ple_seams): ple first, as ngram_embedding imports it
+        import_hook.after_import(PLE_MODULE, _patch_ple)
+        import_hook.after_import(PINNED_MODULE, _patch_pinned)
+
+
+def _patch_ple(module) -> None:
+    from pled.client import ple_seams
+
+    ple_seams.patch_ple(module)
+
+
+def _patch_pinned(module) -> None:
+    from pled.client import ple_seams
+
+    ple_seams.patch_pinned(module)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pled.daemon.safetensors_file import SafetensorsHeader, TensorInfo, read_header
 from pled.daemon.sidecar import Shard, Sidecar, find_files, natural_key
 from pled.shared import arrays
+from pled.shared.arrays import LAYOUT as ARRAYS_LAYOUT
 from pled.shared.boundary import BoundaryError, clip, load_json, read_bounded
 from pled.shared.errors import SidecarError
 from pled.shared.tensors import nbits
@@ -53,7 +54,7 @@ class Checkpoint:
     source: str  # as configured
     shards: tuple[Shard, ...]  # the files holding PLE tensors, in name order
     arrays: tuple[PleArray, ...]
-    layout: str = arrays.LAYOUT
+    layout: str = ARRAYS_LAYOUT
     rows: int = 0
     row_width: int = 0
     meta: dict = field(default_factory=dict)

@@ -217,7 +217,7 @@ def _digests(fd: int, offset: int, size: int, shipped: str | None,
     per 4 KiB page, which contends with the copy still writing the same memfd. A hugetlb region's are read
     from its fill mapping (``mapped``): its pages are mapped already, a few entries per GiB."""
     hashers = {algo: new_hasher(algo) for algo in {OWN, shipped} - {None}}
-    buffer = memoryview(bytearray(_HASH_CHUNK if mapped is None else 0))
+    buffer = memoryview(bytearray(min(_HASH_CHUNK, size) if mapped is None else 0))
     done = 0
     while done < size:
         want = min(_HASH_CHUNK, size - done)

@@ -11,9 +11,10 @@ The manifest (pled.shared.region.Manifest) of this form has:
 - ``tensors``: each source tensor (its name in the checkpoint, its file, dtype, shape) where it lies in the region,
   inside its array, so a file's tensors can be served as views;
 - ``arrays``: per array its checkpoint prefix, parameter, dtype, shape [rows, width], offset, the number of shards
-  the checkpoint split it into, and its sources in order: the tensor, where its data begins in its file, the rows
-  of the array it fills, and its content digest (recorded while staging).
-A client of a pled release without this form refuses such a region: its manifest reader knows no ``arrays`` key.
+  the checkpoint split it into, and its sources in row order, as columns: each one's tensor, where its data begins
+  in its file, the first row of the array it fills, and its content digest (recorded while staging).
+A client of a pled release without this form refuses such a region: its manifest reader knows no ``arrays`` key (the
+manifest nests no deeper than a sidecar's, 4 levels, so that is what it says).
 """
 from __future__ import annotations
 
@@ -31,14 +32,19 @@ PARAMS = ("weight", "weight_scale")  # the parameters vLLM 0.33 pins (weight_sca
 
 @dataclass(frozen=True)
 class SourceEntry:
+    """One source tensor of an array, as ``ArrayEntry.sources`` gives it."""
+
     tensor: int  # index in the manifest's tensors
     begin: int  # where its data begins in its file
     rows: tuple[int, int]  # the rows of the array it fills, [lo, hi)
-    digest: str = ""  # "<digests.OWN>:<hex>" of its bytes, recorded while staging
+    digest: str  # "<digests.OWN>:<hex>" of its bytes, recorded while staging ("" in an identity)
 
 
 @dataclass(frozen=True)
 class ArrayEntry:
+    """One array. Its sources are columns of equal length (the manifest nests no deeper than a sidecar's, so a client
+    of a release without this form refuses it by its unknown ``arrays`` key, not by its depth)."""
+
     prefix: str  # in the checkpoint: "model.language_model.layers.3.ple.ple_embedding.ngram_embedding"
     param: str  # "weight" or "weight_scale"
     dtype: str
@@ -46,11 +52,19 @@ class ArrayEntry:
     offset: int  # in the region, on a 2 MiB boundary
     nbytes: int
     parts: int  # how many shard tensors the checkpoint split it into (0: one unsharded tensor)
-    sources: tuple[SourceEntry, ...]
+    tensors: tuple[int, ...]  # each source: its index in the manifest's tensors, in row order
+    begins: tuple[int, ...]  # each source: where its data begins in its file
+    starts: tuple[int, ...]  # each source: its first row in the array
+    digests: tuple[str, ...]  # each source: the digest of its bytes
 
     @property
     def row_bytes(self) -> int:
         return self.nbytes // self.shape[0] if self.shape[0] else nbits(self.dtype, self.shape[1:]) // 8
+
+    @property
+    def sources(self) -> tuple[SourceEntry, ...]:
+        columns = (self.tensors, self.begins, self.starts, (*self.starts[1:], self.shape[0]), self.digests)
+        return tuple(SourceEntry(t, b, (lo, hi), d) for t, b, lo, hi, d in zip(*columns, strict=True))
 
     @property
     def key(self) -> str:
@@ -76,13 +90,11 @@ def parse(docs: object) -> tuple[ArrayEntry, ...]:
     out = []
     for i, doc in enumerate(docs):
         a = fields_of(doc, ArrayEntry, f"array {i}")
-        if type(a["sources"]) is not list:
-            raise ValueError(f"has sources of array {i} as something other than a list")
-        sources = []
-        for j, s in enumerate(a["sources"]):
-            s = fields_of(s, SourceEntry, f"source {j} of array {i}")
-            sources.append(SourceEntry(**{**s, "rows": tuple(s["rows"])}))
-        out.append(ArrayEntry(**{**a, "shape": tuple(a["shape"]), "sources": tuple(sources)}))
+        columns = ("tensors", "begins", "starts", "digests")
+        if len({len(a[c]) for c in columns}) != 1:
+            raise ValueError(f"gives array {i} {', '.join(f'{len(a[c])} {c}' for c in columns)}: one of each a source")
+        out.append(ArrayEntry(a["prefix"], a["param"], a["dtype"], tuple(a["shape"]), a["offset"], a["nbytes"],
+                              a["parts"], *(tuple(a[c]) for c in columns)))
     return tuple(out)
 
 
@@ -136,10 +148,10 @@ def check(m) -> None:
         raise ValueError(f"lists tensor {clip(m.tensors[sourced.index(False)].name, 120)!r}, which no array holds")
 
 
-def place(source, data_offset: int, make_tensor) -> tuple[list, tuple[ArrayEntry, ...], int]:
+def place(source, data_offset: int, make_tensor, placeholder: str) -> tuple[list, tuple[ArrayEntry, ...], int]:
     """Where each array of ``source`` (pled.daemon.checkpoint.Checkpoint) sits from ``data_offset`` on: the tensors
-    (made by ``make_tensor(name, file, dtype, shape, offset, nbytes)``), the arrays, and where the last one ends,
-    rounded up to a 2 MiB boundary (the region's size)."""
+    (made by ``make_tensor(name, file, dtype, shape, offset, nbytes)``), the arrays (each source's digest
+    ``placeholder``), and where the last one ends, rounded up to a 2 MiB boundary (the region's size)."""
     tensors: list = []
     entries = []
     offset = data_offset
@@ -148,12 +160,13 @@ def place(source, data_offset: int, make_tensor) -> tuple[list, tuple[ArrayEntry
         row_bytes = nbits(a.dtype, (a.width,)) // 8
         for file_index, info in a.tensors:
             rows = info.shape[0]
-            sources.append(SourceEntry(len(tensors), info.begin, (lo, lo + rows)))
+            sources.append((len(tensors), info.begin, lo))
             tensors.append(make_tensor(info.name, file_index, info.dtype, tuple(info.shape),
                                        offset + lo * row_bytes, info.nbytes))
             lo += rows
+        indices, begins, starts = (tuple(c) for c in zip(*sources, strict=True)) if sources else ((), (), ())
         entries.append(ArrayEntry(a.prefix, a.param, a.dtype, (lo, a.width), offset, lo * row_bytes, a.parts,
-                                  tuple(sources)))
+                                  indices, begins, starts, (placeholder,) * len(sources)))
         offset = _align(offset + lo * row_bytes)
     return tensors, tuple(entries), offset
 

@@ -11,7 +11,8 @@ import json
 from pled.shared.boundary import clip, in_time
 
 _INT_LISTS = ("tuple[int, ...]", "tuple[int, int]")
-_WANT = {"int": "an integer", "str": "a string", **{kind: "a list of integers" for kind in _INT_LISTS}}
+_WANT = {"int": "an integer", "str": "a string", "tuple[str, ...]": "a list of strings",
+         **{kind: "a list of integers" for kind in _INT_LISTS}}
 _schemas: dict[type, tuple[dict[str, str], set[str]]] = {}
 
 
@@ -42,6 +43,8 @@ def fields_of(doc: object, cls: type, what: str) -> dict:
             ok = type(value) is (int if kind == "int" else str)
         else:
             ok = type(value) is list and (kind not in _INT_LISTS or all(type(v) is int for v in value))
+            if kind == "tuple[str, ...]":
+                ok = ok and all(type(v) is str for v in value)
             if kind == "tuple[int, int]":
                 ok = ok and len(value) == 2
         if not ok:

@@ -22,7 +22,7 @@ import hashlib
 import json
 import os
 import struct
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from pled.shared import arrays as arrays_form, layouts
 from pled.shared.arrays import ArrayEntry
@@ -42,7 +42,7 @@ _PREFIX = struct.Struct("<8sIIQQ32s")  # 64 bytes
 # size (a generic table of 100,000 tensors needs about 15 MB) and this depth (the manifest, its shards or tensors
 # list, one entry, a tensor's shape).
 MAX_MANIFEST = 64 * 1024 * 1024
-MANIFEST_DEPTH = 6  # the manifest, its arrays list, an array, its sources list, a source, its rows
+MANIFEST_DEPTH = 4  # the manifest, its shards, tensors or arrays list, one entry, a shape or a column
 MANIFEST_VALUES = 2_000_000  # ~10 a tensor: 200,000 tensors (json.loads of that many empty lists: ~0.5 s)
 _PAGED_SLACK = 20  # header bytes kept free for a longer region_bytes (Manifest.paged): a u64 has at most 20 digits
 # Re-exported: the dtypes and rank a region's tensors may have (pled.shared.tensors), and the sealed memfd a region
@@ -145,16 +145,16 @@ class Manifest:
             return replace(self, shards=tuple(replace(s, digest=d) for s, d in zip(self.shards, digests, strict=True)))
         order = sorted(((self.tensors[src.tensor].shard, src.begin), i, j)
                        for i, a in enumerate(self.arrays) for j, src in enumerate(a.sources))
-        new = [list(a.sources) for a in self.arrays]
+        new = [list(a.digests) for a in self.arrays]
         for (_, i, j), d in zip(order, digests, strict=True):
-            new[i][j] = replace(new[i][j], digest=d)
-        return replace(self, arrays=tuple(replace(a, sources=tuple(n)) for a, n in zip(self.arrays, new, strict=True)))
+            new[i][j] = d
+        return replace(self, arrays=tuple(replace(a, digests=tuple(n)) for a, n in zip(self.arrays, new, strict=True)))
 
     def to_json(self) -> bytes:
-        doc = asdict(self)
+        doc = _fields(self)
         if not self.arrays:  # a sidecar's manifest is exactly what it was before the arrays form
             del doc["arrays"]
-        return json.dumps(doc, separators=(",", ":"), sort_keys=True).encode()
+        return json.dumps(doc, separators=(",", ":"), sort_keys=True, default=_fields).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> Manifest:
@@ -170,6 +170,11 @@ class Manifest:
         manifest = cls(**doc)
         _check_geometry(manifest)
         return manifest
+
+
+def _fields(record) -> dict:
+    """A manifest record's fields, for json.dumps (dataclasses.asdict deep-copies every value: 10x slower)."""
+    return {f.name: getattr(record, f.name) for f in fields(record)}
 
 
 def _check_geometry(m: Manifest) -> None:
@@ -241,9 +246,7 @@ def plan(table: str, source) -> Manifest:
         if arrays:
             files = [ShardEntry(s.index, s.path, s.size, s.mtime_ns, s.dev, s.ino, s.header.fingerprint, 0, 0)
                      for s in source.shards]
-            tensors, entries, offset = arrays_form.place(source, data_offset, TensorEntry)
-            entries = tuple(replace(a, sources=tuple(replace(src, digest=DIGEST_PLACEHOLDER) for src in a.sources))
-                            for a in entries)
+            tensors, entries, offset = arrays_form.place(source, data_offset, TensorEntry, DIGEST_PLACEHOLDER)
             manifest = Manifest(table, source.layout, 0, 0, data_offset, offset, fingerprint, tuple(files),
                                 tuple(tensors), arrays=entries)
         else:
