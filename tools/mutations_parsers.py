@@ -47,7 +47,7 @@ MUTATIONS = [
              "    problem = shape_problem(shape)  #", "    problem = None  #",
              (SHAPE, NEGATIVE + "[negative extents]")),
     Mutation("a config's dotted keys left to tomllib whatever their length", "pled/shared/config_file.py",
-             "    if text.count(\".\") > MAX_DOTS:\n", "    if False:\n",
+             "            if line.count(\".\") > MAX_DOTS:\n", "            if False:\n",
              (DOTTED,)),
     Mutation("numbers never checked (json.loads builds any integer, and infinity)", "pled/shared/boundary.py",
              'check = _numbers_to_check(data)  #', 'check = False  #',
