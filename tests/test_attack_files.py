@@ -64,16 +64,29 @@ def bad_metadata(p):
     st_file(p, b'{"__metadata__":{"k":[1,2]},"w":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', b"x")
 
 
+def many_extents_header(p):
+    """Finding 5: 300 extents of 10**19, whose product pled once printed in its refusal (more digits than int->str
+    allows: exit 1 and a traceback, not 78)."""
+    st_file(p, b'{"w":{"dtype":"U8","shape":[' + b",".join([b"10000000000000000000"] * 300)
+            + b'],"data_offsets":[0,1]}}', b"x")
+
+
+def negative_extents_header(p):
+    st_file(p, b'{"w":{"dtype":"U8","shape":[-4,-4],"data_offsets":[0,16]}}', b"x" * 16)
+
+
 BAD_SHARDS = {  # how a shard goes bad -> words the refusal must hold
     "symlink loop": (symlink_loop, "symlink loop"),
     "/proc/self/mem": (proc_mem, "/proc or /sys file"),
     "unix socket": (unix_socket, "Unix socket"),
     "fifo": (fifo, "FIFO"),
-    "nested header": (nested_header, "nests 5001 levels"),
+    "nested header": (nested_header, "nests more than 4 levels"),
     "5000-digit integer": (huge_int_header, "5000 digits"),
     "huge header": (huge_header, "pled reads headers of at most"),
     "repeated tensor": (repeated_key, "twice"),
     "metadata not strings": (bad_metadata, "__metadata__ must be an object of strings"),
+    "300 extents of 10**19": (many_extents_header, "has 300 dimensions; at most 64 are accepted"),
+    "negative extents": (negative_extents_header, "has a negative extent"),
 }
 
 
@@ -254,3 +267,4 @@ def test_a_socket_directory_another_group_can_write_is_warned_about(tmp_path, si
         assert "is writable by group 65534, which pled is not in" in pled.log()
     finally:
         pled.stop()
+

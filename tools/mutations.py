@@ -203,10 +203,12 @@ def every_mutation() -> list[Mutation]:
     import mutations_hugetlb
     import mutations_journal
     import mutations_metrics
+    import mutations_parsers
     import mutations_reload
 
     return [*MUTATIONS, *mutations_access.MUTATIONS, *mutations_reload.MUTATIONS, *mutations_metrics.MUTATIONS,
-            *mutations_journal.MUTATIONS, *mutations_hugetlb.MUTATIONS, *mutations_arrays.MUTATIONS]
+            *mutations_journal.MUTATIONS, *mutations_hugetlb.MUTATIONS, *mutations_arrays.MUTATIONS,
+            *mutations_parsers.MUTATIONS]
 
 
 def main(mutations: list[Mutation] | None = None) -> int:

@@ -1,5 +1,5 @@
 """Breakages that the tests of the metrics file (tests/test_metrics.py) must catch: its mode, its atomic rename, the
-writes a change triggers, the writer off the loop thread and its bounded stop, one warning a minute for a path that
+writes a change triggers, the writer off the loop thread and its bounded stop, one warning for a path that
 cannot be written, the counts and figures it carries, and where a relative metrics_file is (tools/mutations.py's
 format and runner).
 
@@ -50,8 +50,8 @@ MUTATIONS = [
              "        self._thread.join(timeout)\n", "        self._thread.join()\n",
              (HUNG,)),
     Mutation("a metrics path that cannot be written warned about at every write", "pled/daemon/metrics_file.py",
-             '            self._throttle.log(path, log.warning, "cannot write',
-             '            log.warning("cannot write',
+             '            if self._failing != (path, why):  # said once',
+             '            if True:  # said once',
              (FULL, ABSENT)),
     # What it counts and measures.
     Mutation("attaches not counted", "pled/daemon/handlers.py", "        self.counters.attached()\n", "",

@@ -10,7 +10,7 @@ import socket as socket_mod
 import time
 
 from pled.shared import protocol
-from pled.shared.boundary import BoundaryError, clip, load_json
+from pled.shared.boundary import BoundaryError, OutOfTime, clip, deadline as parse_deadline, load_json
 from pled.shared.errors import PledError
 
 DEFAULT_SOCKET = protocol.DEFAULT_SOCKET
@@ -62,8 +62,12 @@ def socket_path(path: str | None = None) -> str:
 class Connection:
     """One blocking connection to the daemon. A Table keeps its own open while attached.
 
-    ``timeout`` bounds a whole call, every send and receive of it together, however the reply trickles in; the
-    first call's time runs from the connect, so that attach() and call() end within ``timeout`` of their start."""
+    ``timeout`` bounds a whole call, every send and receive of it together, however the reply trickles in, and the
+    parse of its reply; the first call's time runs from the connect, so that attach() and call() end within
+    ``timeout`` of their start. ``deadline`` is the last call's (time.monotonic()), for what its caller parses
+    after it (attach(): the region's manifest)."""
+
+    deadline: float = 0.0
 
     _sock: socket_mod.socket | None = None
 
@@ -89,6 +93,7 @@ class Connection:
             raise DaemonUnavailable(f"cannot connect to pled at {self.path}: {err}; {_HINT}") from err
         self._sock = sock
         self._buf = bytearray()
+        self._searched = 0  # bytes of _buf known to hold no NUL: each byte of a trickled reply is searched once
 
     def call(self, method: str, **parameters) -> tuple[dict, list[int]]:
         """Send one call; return the reply's parameters and the fds that came with it (the caller owns them).
@@ -97,6 +102,7 @@ class Connection:
         deadline, self._deadline = self._deadline, None
         if deadline is None:  # a later call on a connection held open: its own timeout from now
             deadline = time.monotonic() + self.timeout
+        self.deadline = deadline
         sock = self._sock
         if sock is None:
             raise ClientError(f"the connection to pled at {self.path} is closed")
@@ -111,7 +117,8 @@ class Connection:
             raise DaemonUnavailable(f"pled at {self.path} closed the connection during {method} "
                                     f"({err.strerror or err}); {_HINT}") from err
         try:
-            message = load_json(raw, max_bytes=protocol.MAX_REPLY)
+            with parse_deadline(deadline):
+                message = load_json(raw, max_bytes=protocol.MAX_REPLY, max_values=protocol.MAX_REPLY_VALUES)
             if not isinstance(message, dict):
                 raise BoundaryError(f"is {type(message).__name__}, not an object")
             error, params = message.get("error"), message.get("parameters")
@@ -121,6 +128,10 @@ class Connection:
         except BoundaryError as err:
             close_all(fds)
             raise ProtocolError(f"pled at {self.path} sent a reply to {method} that {err}") from err
+        except OutOfTime as err:
+            close_all(fds)
+            raise DaemonUnavailable(f"pled at {self.path} did not answer {method} within {self.timeout:g} s (its "
+                                    f"reply of {len(raw)} bytes took longer than that to read); {_HINT}") from err
         if error is not None:
             close_all(fds)
             raise _error(error, params, self.path)
@@ -130,11 +141,13 @@ class Connection:
         fds: list[int] = []
         try:
             while True:
-                end = self._buf.find(b"\0")
+                end = self._buf.find(b"\0", self._searched)
                 if end >= 0:
                     raw = bytes(self._buf[:end])
                     del self._buf[: end + 1]
+                    self._searched = 0
                     return raw, fds
+                self._searched = len(self._buf)
                 if len(self._buf) > protocol.MAX_REPLY:
                     raise ProtocolError(f"reply from {self.path} exceeds {protocol.MAX_REPLY} bytes")
                 sock.settimeout(_left(deadline))  # each receive gets what is left of the call's time

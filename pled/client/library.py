@@ -32,6 +32,7 @@ from pled.client.connection import (
 )
 from pled.client.mapped_table import Table, TensorViews
 from pled.shared import protocol, region
+from pled.shared.boundary import OutOfTime, deadline as parse_deadline
 from pled.shared.errors import RegionError
 
 __all__ = ["attach", "call", "socket_path", "Table", "TensorViews", "Connection", "DEFAULT_SOCKET", "ENV_SOCKET",
@@ -46,10 +47,11 @@ def attach(table: str, socket: str | None = None, timeout: float = 10.0, populat
     ``warm_rows``: make gather scratch for requests of that many rows now and run such gathers until
     their time settles, so that the first real request runs at full speed (see ``Table.warm``).
 
-    ``timeout`` bounds the whole attach, from the connect to the reply. Nothing pled sends is trusted: the fd must
-    be a sealed memfd and its manifest must check out (``region.check_sealed_memfd``, ``region.read_manifest``)
-    before anything is mapped; whatever is wrong is a ClientError (``BadRegion`` for the region) and every fd
-    received is closed."""
+    ``timeout`` bounds the whole attach, from the connect to the reply and the parse and checks of the region's
+    manifest (past it: DaemonUnavailable); pre-faulting (``populate``) and ``warm_rows`` are not bounded by it.
+    Nothing pled sends is trusted: the fd must be a sealed memfd and its manifest must check out
+    (``region.check_sealed_memfd``, ``region.read_manifest``) before anything is mapped; whatever is wrong is a
+    ClientError (``BadRegion`` for the region) and every fd received is closed."""
     conn = Connection(socket, timeout)
     try:
         params, fds = conn.call(protocol.ATTACH, table=table, **({"wait": True} if wait else {}))
@@ -74,9 +76,13 @@ def attach(table: str, socket: str | None = None, timeout: float = 10.0, populat
         conn.close()
         raise
     try:
-        t = Table(fd, generation, populate, attachment=conn)  # closes fd and conn if it fails
+        with parse_deadline(conn.deadline):  # bounds the manifest's parse and checks; pre-faulting looks at no clock
+            t = Table(fd, generation, populate, attachment=conn)  # closes fd and conn if it fails
     except BadRegion as err:
         raise BadRegion(f"the region pled at {conn.path} sent for table {table!r} is refused: {err}") from err
+    except OutOfTime as err:
+        raise DaemonUnavailable(f"attaching table {table!r} from pled at {conn.path} took more than {timeout:g} s: "
+                                f"reading the region's manifest did not end in time ({err})") from err
     try:
         if t.manifest.fingerprint != params.get("fingerprint") or t.manifest.table != table:
             raise ProtocolError(f"the region sent for table {table!r} does not match the reply (fingerprint or name)")

@@ -43,8 +43,14 @@ from pydantic import (
     model_validator,
 )
 
-from pled.shared.boundary import BoundaryError, check_json_depth_text, clip
-from pled.shared.config_file import MAX_DEPTH, check_socket_path, read_text, resolve_path  # noqa: F401 (resolve_path)
+from pled.shared.boundary import BoundaryError, clip
+from pled.shared.config_file import (  # noqa: F401 (resolve_path)
+    MAX_DEPTH,
+    check_socket_path,
+    parse_toml,
+    read_text,
+    resolve_path,
+)
 from pled.shared.errors import ConfigError
 from pled.shared.protocol import DEFAULT_SOCKET
 from pled.shared.sizes import parse_size
@@ -253,8 +259,7 @@ def _describe(err: ValidationError) -> str:
 def parse(text: str, source: str) -> Config:
     """Validate TOML text; table paths are made absolute against the file's directory."""
     try:
-        check_json_depth_text(text, MAX_DEPTH)
-        data = tomllib.loads(text)
+        data = parse_toml(text)
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(source, f"not valid TOML: {clip(err)}") from err
     except (BoundaryError, RecursionError, ValueError, OverflowError) as err:  # tomllib's int() and recursion

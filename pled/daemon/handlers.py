@@ -39,7 +39,8 @@ class Handlers:
     def __init__(self, registry: Registry, reloader: Reloader, *, answer: Callable[[Session, Reply], None],
                  connections: Callable[[], Collection[Session]], clients_changed: Callable[[], None],
                  started: float, counters: Counters, fdstore: FdStore,
-                 lingering: Callable[[], Collection[Session]] = tuple) -> None:
+                 lingering: Callable[[], Collection[Session]] = tuple,
+                 metrics_error: Callable[[], str | None] = lambda: None) -> None:
         """``answer(conn, reply)`` sends the later reply to a call that got PENDING; ``connections()`` are the
         server's open connections; ``clients_changed()`` is told when a client attaches or leaves; ``counters``
         counts attaches and refusals, and goes out in Status with the fd store's figures."""
@@ -50,6 +51,7 @@ class Handlers:
         self.answer = answer
         self.connections = connections
         self.lingering = lingering  # connections dropped whose peers have table fds unread (session.Lingering)
+        self.metrics_error = metrics_error  # why the metrics file cannot be written (metrics_file.MetricsFile.error)
         self.clients_changed = clients_changed
         self.started = started
         self.waiters: dict[str, list[Session]] = {}  # table -> connections waiting for it to be ready
@@ -153,5 +155,5 @@ class Handlers:
             "closed_with_fds_unread": len(closed),
             "open_fds": fdlimit.open_fds(), "max_fds": fdlimit.soft_limit(),
             "fdstore": {"entries": len(store.names), "max_entries": store.limit if store.enabled else 0},
-            "resident_memory_bytes": hostmem.own_rss(),
+            "resident_memory_bytes": hostmem.own_rss(), "metrics_file_error": self.metrics_error(),
         }

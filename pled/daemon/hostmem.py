@@ -14,6 +14,8 @@ from dataclasses import dataclass
 # cgroup v1 reports "no limit" as PAGE_COUNTER_MAX pages (9223372036854771712 with
 # 4 KiB pages); anything this large is no limit on any real machine.
 UNLIMITED = 1 << 60
+MAX_TEXT = 16 << 20  # bytes of one kernel file read at most (mountinfo on a host of many mounts: a few MB)
+MAX_DIGITS = 20  # a u64: no figure a kernel file gives has more, and int() is never asked for a longer one
 
 
 class HostInfoUnavailable(Exception):
@@ -29,11 +31,19 @@ def _join(root: str, path: str) -> str:
 def _read(path: str) -> str | None:
     try:
         with open(path, encoding="ascii") as f:
-            return f.read()
+            text = f.read(MAX_TEXT + 1)
     except FileNotFoundError:
         return None
     except (OSError, UnicodeDecodeError) as err:
         raise HostInfoUnavailable(path, f"cannot be read ({err})") from err
+    if len(text) > MAX_TEXT:
+        raise HostInfoUnavailable(path, f"holds more than {MAX_TEXT} bytes; no kernel file pled reads is that long")
+    return text
+
+
+def number(text: str) -> int | None:
+    """``text`` as a count of at most MAX_DIGITS ASCII digits; None if it is not one."""
+    return int(text) if len(text) <= MAX_DIGITS and text.isascii() and text.isdigit() else None
 
 
 @dataclass(frozen=True)
@@ -54,9 +64,9 @@ def read_meminfo(root: str = "/") -> MemInfo | None:
     for line in text.splitlines():
         name, _, rest = line.partition(":")
         parts = rest.split()
-        if parts and parts[0].isdigit():
+        if parts and (n := number(parts[0])) is not None:
             # Values are kB (KiB) except the HugePages_* counts.
-            fields[name] = int(parts[0]) * (1024 if len(parts) > 1 and parts[1] == "kB" else 1)
+            fields[name] = n * (1024 if len(parts) > 1 and parts[1] == "kB" else 1)
     if "MemTotal" not in fields or "MemFree" not in fields:
         raise HostInfoUnavailable(path, "has no MemTotal/MemFree lines")
     if "MemAvailable" in fields:  # since Linux 3.14
@@ -91,8 +101,8 @@ def read_zfs_arc(root: str = "/") -> ZfsArc | None:
     fields = {}
     for line in text.splitlines()[2:]:  # a kstat header line, then "name type data"
         parts = line.split()
-        if len(parts) == 3 and parts[2].isdigit():
-            fields[parts[0]] = int(parts[2])
+        if len(parts) == 3 and (n := number(parts[2])) is not None:
+            fields[parts[0]] = n
     if "size" not in fields or "c_min" not in fields:
         raise HostInfoUnavailable(path, "has no size and c_min lines")
     return ZfsArc(fields["size"], fields["c_min"])
@@ -103,7 +113,7 @@ def own_rss(root: str = "/", pid: int | str = "self") -> int:
     text = _read(_join(root, f"/proc/{pid}/status")) or ""
     for line in text.splitlines():
         if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
+            return (number(line.split()[1]) or 0) * 1024 if len(line.split()) > 1 else 0
     return 0
 
 
@@ -185,21 +195,21 @@ def _int(path: str) -> int | None:
     value = text.strip()
     if value == "max":
         return UNLIMITED
-    try:
-        return int(value)
-    except ValueError as err:
-        raise HostInfoUnavailable(path, f"holds {value!r}, not a number") from err
+    n = number(value)
+    if n is None:
+        raise HostInfoUnavailable(path, f"holds {value[:40]!r}, not a number")
+    return n
 
 
 def _stat(path: str, keys: tuple[str, ...]) -> int:
     text = _read(path)
     if text is None:
         raise HostInfoUnavailable(path, "is missing")
-    fields = dict(line.split(None, 1) for line in text.splitlines() if line.strip())
-    try:
-        return sum(int(fields.get(k, "0")) for k in keys)
-    except ValueError as err:
-        raise HostInfoUnavailable(path, f"has a field that is not a number ({err})") from err
+    fields = dict(line.split(None, 1) for line in text.splitlines() if len(line.split(None, 1)) == 2)
+    values = [number(fields.get(k, "0").strip()) for k in keys]
+    if None in values:
+        raise HostInfoUnavailable(path, f"has a field of {', '.join(keys)} that is not a number")
+    return sum(v for v in values if v is not None)
 
 
 # (limit, usage, memory.stat keys of reclaimable file pages) per version.

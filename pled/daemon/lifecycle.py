@@ -80,7 +80,8 @@ class Daemon:
                                  config_changed=self._config_changed, counters=self.counters)
         self.handlers = Handlers(self.registry, self.reloader, answer=self._answer_later, connections=self._connections,
                                  clients_changed=self._clients_changed, started=self.started, counters=self.counters,
-                                 fdstore=self.fdstore, lingering=self._lingering)
+                                 fdstore=self.fdstore, lingering=self._lingering,
+                                 metrics_error=lambda: self.metrics.error)
         self.metrics = MetricsFile(config.metrics_file, config.metrics_interval, counters=self.counters,
                                    snapshot=partial(self.handlers.status_dict, sources=False))
         self.first_staging = startup.FirstStaging(self.registry, self.handlers, self.notifier, self.stopping,

@@ -13,13 +13,19 @@ newest snapshot (pled/shared/metrics.py) and writes it:
 The loop never waits for the writer: one that hangs (a file system that stops answering) only lags, and is handed
 the newest snapshot when it comes back. At stop the writer gets a last snapshot (a table whose first staging failed,
 the final counts) and JOIN_SECONDS, and is then left behind, named in the log.
-A file that cannot be written (a missing or read-only directory, a full disk) is one warning naming it, at most
-once a minute (throttle.py), and one line once it is written again; pled serves on either way.
+A file that cannot be written (a missing or read-only directory, a full disk, something not a regular file planted
+at the temporary name) is said once: one warning naming it and why (again only if the reason changes), and Status's
+``daemon.metrics_file_error`` until it is written again, which is one line too; pled serves on either way. The
+temporary file is opened without following a symlink and without blocking (``O_NONBLOCK``: a FIFO planted there by
+whoever may write the directory would block ``open(O_WRONLY)`` until a reader came), then checked with ``fstat`` to
+be a regular file; whatever was at the name is removed after a failed write, so the next write can succeed.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -40,9 +46,15 @@ def write_atomically(path: str, data: bytes) -> None:
     """``data`` as the file ``path``, mode MODE, by a rename: the file is the old one or the new one, never half."""
     directory, name = os.path.split(path)
     tmp = os.path.join(directory, f".{name}.tmp")  # not *.prom: the textfile collector skips it
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, MODE)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, MODE)
+    except OSError:
+        _remove(tmp)  # a symlink (ELOOP) or a FIFO without a reader (ENXIO) planted at pled's own temporary name
+        raise
     try:
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO with a reader, a socket: never written to
+                raise OSError(errno.EINVAL, f"{tmp} is not a regular file (something else put it there; removed)")
             os.fchmod(fd, MODE)  # the umask took bits off the mode open() asked for
             view = memoryview(data)
             while view:
@@ -52,11 +64,15 @@ def write_atomically(path: str, data: bytes) -> None:
             os.close(fd)
         os.rename(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        _remove(tmp)
         raise
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 class MetricsFile:
@@ -75,9 +91,15 @@ class MetricsFile:
         self._closed = False
         self._thread: threading.Thread | None = None
         self._writing: tuple[str, float] | None = None  # (path, since when) of the write under way
-        self._throttle = Throttle()  # the writer thread's
+        self._throttle = Throttle()  # the writer thread's, for a bug
         self._snapshot_throttle = Throttle()  # the loop's
-        self._failing: str | None = None  # the path whose last write failed
+        self._failing: tuple[str, str] | None = None  # (path, why) of the last write, where it failed
+
+    @property
+    def error(self) -> str | None:
+        """Why the metrics file cannot be written ("PATH: why"), until it is written again; None while it is."""
+        failing = self._failing
+        return None if failing is None else f"{failing[0]}: {failing[1]}"
 
     def configure(self, path: str | None, interval: float) -> None:
         """The settings of a config a reload put in force; the next turn writes the file anew."""
@@ -133,17 +155,18 @@ class MetricsFile:
         try:
             write_atomically(path, metrics.render(status))
         except (OSError, PledError) as err:  # PledError: prometheus-client is not installed
-            self._failing = path
             why = getattr(err, "strerror", None) or str(err)
-            self._throttle.log(path, log.warning, "cannot write the metrics file %s: %s; serving on, and trying "
-                               "again at each change and every %g s", path, why, self.interval)
+            if self._failing != (path, why):  # said once (Status keeps saying it): again only for another reason
+                log.warning("cannot write the metrics file %s: %s; serving on, and trying again at each change and "
+                            "every %g s", path, why, self.interval)
+            self._failing = (path, why)
             return
         except Exception as err:  # a bug: the same one line a minute, never a dead writer
-            self._failing = path
+            self._failing = (path, f"{type(err).__name__}: {err}")
             self._throttle.log((path, type(err).__name__), log.exception, "writing the metrics file %s failed: %s",
                                path, err)
             return
-        if self._failing == path:
+        if self._failing is not None and self._failing[0] == path:
             self._failing = None
             log.info("metrics file %s written again", path)
 

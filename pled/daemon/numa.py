@@ -67,12 +67,19 @@ def nodes_with_memory(sys_root: str = "/") -> list[int]:
     return parse_nodelist(text)
 
 
+MAX_NODES = 1 << 12  # more than the kernel's MAX_NUMNODES (1,024): a list naming more nodes is no kernel's
+
+
 def parse_nodelist(text: str) -> list[int]:
-    """A kernel node list ("0-3,5", "" for none) as sorted node numbers."""
+    """A kernel node list ("0-3,5", "" for none) as sorted node numbers; ValueError for one that names a node past
+    MAX_NODES (a range is never expanded beyond it)."""
     nodes: set[int] = set()
     for part in filter(None, text.strip().split(",")):
         first, _, last = part.partition("-")
-        nodes.update(range(int(first), int(last or first) + 1))
+        lo, hi = (int(x) if len(x) <= 6 and x.isascii() and x.isdigit() else MAX_NODES for x in (first, last or first))
+        if hi >= MAX_NODES:
+            raise ValueError(f"node list {text[:40]!r} names a node past {MAX_NODES - 1}")
+        nodes.update(range(lo, hi + 1))
     return sorted(nodes)
 
 

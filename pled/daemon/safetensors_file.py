@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import struct
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 from pled.shared import region
 from pled.shared.boundary import BoundaryError, clip, load_json, open_regular
 from pled.shared.errors import SidecarError
+from pled.shared.tensors import nbits, shape_problem
 
 # Bits per element, as the safetensors format defines its dtypes.
 DTYPE_BITS = region.DTYPE_BITS  # the dtypes a region may hold: one list, which clients check too
@@ -26,6 +26,10 @@ DTYPE_BITS = region.DTYPE_BITS  # the dtypes a region may hold: one list, which 
 MAX_HEADER = 8 * 1024 * 1024
 MAX_TENSORS = 200_000
 HEADER_DEPTH = 4  # the header object, a tensor's object, its shape or offsets list (__metadata__ is flat)
+# Values (commas and brackets outside strings) a header may hold: ~7 a tensor, 9 bytes each at the densest, so the
+# most an 8 MiB header holds; what json.loads builds without a hook (lists, strings) stays within a few tenths of a
+# second of the GIL, which a reload's planning thread holds while it parses.
+HEADER_VALUES = MAX_HEADER // 8
 
 
 @dataclass(frozen=True)
@@ -98,7 +102,7 @@ def _pread_all(fd: int, length: int, offset: int) -> bytes:
 def parse_header(path: str, size: int, raw: bytes) -> SafetensorsHeader:
     header_len = len(raw)
     try:
-        doc = load_json(raw, max_bytes=MAX_HEADER, max_depth=HEADER_DEPTH)
+        doc = load_json(raw, max_bytes=MAX_HEADER, max_depth=HEADER_DEPTH, max_values=HEADER_VALUES)
     except BoundaryError as err:
         raise SidecarError(path, f"not a safetensors file: its header {err}") from err
     if not isinstance(doc, dict):
@@ -147,8 +151,9 @@ def _tensor(path: str, name: str, spec: object, data_offset: int, data_size: int
     dtype, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
     if dtype not in DTYPE_BITS:
         raise bad(f"unknown dtype {clip(dtype, 40)!r}")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
-        raise bad(f"shape {clip(shape, 80)} is not a list of non-negative integers")
+    problem = shape_problem(shape)  # the rank and each extent first: no product of an unbounded shape is worked out
+    if problem is not None or not isinstance(shape, list):
+        raise bad(f"shape {clip(shape, 80)} {problem or 'is not a list of integers'}")
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
@@ -156,11 +161,12 @@ def _tensor(path: str, name: str, spec: object, data_offset: int, data_size: int
         or not 0 <= offsets[0] <= offsets[1]
     ):
         raise bad(f"data_offsets {clip(offsets, 80)} is not [begin, end] with 0 <= begin <= end")
-    bits = math.prod(shape) * DTYPE_BITS[dtype]
+    bits = nbits(dtype, shape)  # at most 64 factors of 64 bits: a number of at most 1,240 digits
     if bits % 8:
-        raise bad(f"{dtype}{shape} is not a whole number of bytes")
+        raise bad(f"{dtype}{clip(shape, 80)} is not a whole number of bytes")
     if offsets[1] - offsets[0] != bits // 8:
-        raise bad(f"{dtype}{shape} is {bits // 8} bytes but data_offsets span {offsets[1] - offsets[0]}")
+        raise bad(f"{dtype}{clip(shape, 80)} is {clip(bits // 8, 40)} bytes but data_offsets span "
+                  f"{offsets[1] - offsets[0]}")
     if offsets[1] > data_size:
         raise bad(f"data ends at byte {offsets[1]} of a {data_size}-byte data buffer (truncated file?)")
     return TensorInfo(name=name, dtype=dtype, shape=tuple(shape), begin=data_offset + offsets[0], nbytes=bits // 8)

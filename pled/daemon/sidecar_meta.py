@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 
 from pled.shared import layouts
+from pled.shared.boundary import clip
 from pled.shared.errors import SidecarError
 
 log = logging.getLogger(__name__)
@@ -60,22 +61,24 @@ def check(path: str, meta: dict, layout: str, shards: int, rows: int, width: int
             continue  # a generic table has no rows or width to compare
         value = meta[key]
         if isinstance(value, bool) or not isinstance(value, int):
-            raise SidecarError(path, f"says {key} = {value!r}, not a whole number; the shards give {actual[what]}")
+            raise SidecarError(path, f"says {key} = {clip(repr(value), 80)}, not a whole number; the shards give "
+                                     f"{actual[what]}")
         if value != actual[what]:
-            raise SidecarError(path, f"says {key} = {value!r} but the shards give {actual[what]!r}")
+            raise SidecarError(path, f"says {key} = {value!r} but the shards give {actual[what]!r}")  # <= 20 digits
     if "layout" not in meta:
         return
     text = meta["layout"]
     if not isinstance(text, str):
-        raise SidecarError(path, f"says layout = {text!r}, not a string; remove the key or write the layout's name")
+        raise SidecarError(path, f"says layout = {clip(repr(text), 80)}, not a string; remove the key or write the "
+                                 "layout's name")
     family = layout_family(text)
     if family is None:
-        log.warning("%s: layout %r names no known family (e2m1, e4m3, int4); the shards' tensors say %s",
-                    path, text, layout)
+        log.warning("%s: layout %s names no known family (e2m1, e4m3, int4); the shards' tensors say %s",
+                    path, clip(repr(text), 120), layout)
     elif family != layout:
         held = f"{layout} ({', '.join(sorted(layouts.LAYOUTS[layout].names))})" if is_ple else "no PLE layout"
-        raise SidecarError(path, f"says layout = {text!r}, which is {family}, but the shards hold {held}; "
-                                 "fix META.json or the shards")
+        raise SidecarError(path, f"says layout = {clip(repr(text), 120)}, which is {family}, but the shards hold "
+                                 f"{held}; fix META.json or the shards")
 
 
 def other_keys(meta: dict) -> dict:

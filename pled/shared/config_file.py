@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import tomllib
 
-from pled.shared.boundary import BoundaryError, check_json_depth_text, clip, read_bounded
+from pled.shared.boundary import BoundaryError, check_json_depth_text, clip, nesting, read_bounded
 from pled.shared.errors import ConfigError
 from pled.shared.protocol import DEFAULT_SOCKET
 
@@ -17,6 +17,29 @@ DEFAULT_PATH = "/etc/pled/pled.toml"
 ENV_VAR = "PLED_CONFIG"
 MAX_CONFIG = 1024 * 1024  # a config is a few dozen lines: a bigger file is not one
 MAX_DEPTH = 8
+# Dots a line may hold. A key lies on one line, and tomllib's time for a dotted key grows with the square of its
+# parts (a 16 KiB one took 2 s): bounded per line, the whole file parses in time linear in its size.
+MAX_DOTS = 64
+MAX_LINE = 16 * 1024  # characters a line may have: pled's config is a few dozen short lines, and tomllib's time on
+# one long line (a number, an inline array) grows faster than its length where the line outgrows the caches
+
+
+def parse_toml(text: str) -> dict:
+    """``tomllib.loads`` within bounds: nesting (brackets before, dotted keys after) of at most MAX_DEPTH, at most
+    MAX_DOTS dots and MAX_LINE characters a line. BoundaryError or tomllib.TOMLDecodeError (ValueError,
+    RecursionError: tomllib's own int() and recursion) say what is wrong; the caller names the file."""
+    check_json_depth_text(text, MAX_DEPTH)
+    if text.count(".") > MAX_DOTS or len(text) > MAX_LINE:
+        for number, line in enumerate(text.split("\n"), 1):
+            if len(line) > MAX_LINE:
+                raise BoundaryError(f"line {number} has {len(line)} characters; at most {MAX_LINE} are accepted "
+                                    "(no line of a pled config is that long)")
+            if line.count(".") > MAX_DOTS:
+                raise BoundaryError(f"line {number} holds {line.count('.')} dots; at most {MAX_DOTS} are accepted "
+                                    "(no key of pled's has more than a few parts)")
+    doc = tomllib.loads(text)
+    nesting(doc, MAX_DEPTH)  # dotted keys (a.b.c = 1) nest without a bracket
+    return doc
 
 
 def resolve_path(explicit: str | None = None) -> str:
@@ -42,8 +65,7 @@ def socket_of(explicit: str | None = None) -> str:
     command that talks to a running pled needs of the file. The daemon checks the rest when it loads it."""
     path, text = read_text(explicit)
     try:
-        check_json_depth_text(text, MAX_DEPTH)
-        socket = tomllib.loads(text).get("socket", DEFAULT_SOCKET)
+        socket = parse_toml(text).get("socket", DEFAULT_SOCKET)
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(path, f"not valid TOML: {clip(err)}") from err
     except (BoundaryError, RecursionError, ValueError, OverflowError) as err:  # tomllib's int() and recursion

@@ -35,6 +35,10 @@ MAX_CALL_DEPTH = 8  # {"parameters": {...}} is 2 levels: deeper nesting is refus
 # The largest reply is Status: every table, and every attached client (at most fdlimit.CONNECTIONS_CAP, each a
 # few hundred bytes with its command line), about 2 MB at worst. The manifest travels in the region, not in replies.
 MAX_REPLY = 8 * 1024 * 1024
+# Values (boundary.load_json's count: commas and brackets outside strings) a reply may hold: a Status of every
+# client is ~10 a client. What json.loads builds without calling back (lists, strings) is bounded by this, so a
+# client's parse of any reply ends within a fraction of a second of its timeout.
+MAX_REPLY_VALUES = 1_000_000
 
 
 class MessageTooLong(ValueError):
@@ -58,11 +62,13 @@ def error(name: str, **parameters) -> dict:
 
 
 class Framer:
-    """Splits a byte stream into NUL-terminated messages, refusing any longer than ``limit``."""
+    """Splits a byte stream into NUL-terminated messages, refusing any longer than ``limit``. Each byte is searched
+    for the NUL once, however the stream is cut (a message trickled a byte at a time costs what it costs whole)."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._buf = bytearray()
+        self._searched = 0  # bytes of _buf known to hold no NUL
 
     @property
     def pending(self) -> int:
@@ -73,13 +79,15 @@ class Framer:
         self._buf += data
         messages = []
         while True:
-            end = self._buf.find(b"\0")
+            end = self._buf.find(b"\0", self._searched)
             if end < 0:
+                self._searched = len(self._buf)
                 break
             if end > self.limit:
                 raise MessageTooLong(f"message of {end} bytes exceeds the {self.limit}-byte limit")
             messages.append(bytes(self._buf[:end]))
             del self._buf[: end + 1]
+            self._searched = 0
         if len(self._buf) > self.limit:
             raise MessageTooLong(f"message over {self.limit} bytes without a terminating NUL")
         return messages

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from pled.shared.boundary import clip
+from pled.shared.boundary import clip, in_time
 
 _INT_LISTS = ("tuple[int, ...]", "tuple[int, int]")
 _WANT = {"int": "an integer", "str": "a string", "tuple[str, ...]": "a list of strings",
@@ -27,7 +27,8 @@ def _schema(cls: type) -> tuple[dict[str, str], set[str]]:
 def fields_of(doc: object, cls: type, what: str) -> dict:
     """``doc`` if it is an object with exactly ``cls``'s fields (those with a default may be left out), each of its
     type: ints are ints (not booleans or floats), strings strings, tuples lists (of ints, for a shape or a range);
-    ValueError says what is wrong, naming ``what``. Costs O(size of doc)."""
+    ValueError says what is wrong, naming ``what``. Costs O(size of doc); boundary.OutOfTime past a deadline."""
+    in_time(256)
     if type(doc) is not dict:
         raise ValueError(f"has {what} as {type(doc).__name__}, not an object")
     kinds, required = _schema(cls)

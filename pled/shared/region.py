@@ -26,7 +26,7 @@ from dataclasses import dataclass, fields, replace
 
 from pled.shared import arrays as arrays_form, layouts
 from pled.shared.arrays import ArrayEntry
-from pled.shared.boundary import clip, load_json
+from pled.shared.boundary import clip, in_time, load_json
 from pled.shared.digests import PLACEHOLDER as DIGEST_PLACEHOLDER
 from pled.shared.errors import RegionError
 from pled.shared.hugepages import PMD_SIZE
@@ -43,6 +43,7 @@ _PREFIX = struct.Struct("<8sIIQQ32s")  # 64 bytes
 # list, one entry, a tensor's shape).
 MAX_MANIFEST = 64 * 1024 * 1024
 MANIFEST_DEPTH = 4  # the manifest, its shards, tensors or arrays list, one entry, a shape or a column
+MANIFEST_VALUES = 2_000_000  # ~10 a tensor: 200,000 tensors (json.loads of that many empty lists: ~0.5 s)
 _PAGED_SLACK = 20  # header bytes kept free for a longer region_bytes (Manifest.paged): a u64 has at most 20 digits
 # Re-exported: the dtypes and rank a region's tensors may have (pled.shared.tensors), and the sealed memfd a region
 # lives in (pled.shared.memfd), as the daemon and the clients have always found them here.
@@ -158,7 +159,8 @@ class Manifest:
     @classmethod
     def from_json(cls, raw: bytes) -> Manifest:
         """Parse and check a manifest from untrusted bytes; ValueError says what is wrong with it."""
-        doc = fields_of(load_json(raw, max_bytes=MAX_MANIFEST, max_depth=MANIFEST_DEPTH), cls, "its top object")
+        doc = fields_of(load_json(raw, max_bytes=MAX_MANIFEST, max_depth=MANIFEST_DEPTH,
+                                    max_values=MANIFEST_VALUES), cls, "its top object")
         shards = [fields_of(s, ShardEntry, f"shard {i}") for i, s in enumerate(doc["shards"])]
         doc["shards"] = tuple(ShardEntry(**s) for s in shards)
         tensors = [fields_of(t, TensorEntry, f"tensor {i}") for i, t in enumerate(doc["tensors"])]
@@ -185,6 +187,7 @@ def _check_geometry(m: Manifest) -> None:
         raise ValueError(f"gives rows {m.rows}, width {m.row_width}, data at {m.data_offset} of {m.region_bytes} bytes")
     seen: dict[int, dict[str, TensorEntry]] = {i: {} for i in range(len(m.shards))}
     for t in m.tensors:
+        in_time(1024)  # within a caller's deadline (boundary.deadline: attach()'s timeout)
         if t.shard not in seen:
             raise ValueError(f"puts tensor {clip(t.name, 80)!r} in shard {t.shard}; there are {len(m.shards)} shards")
         if t.name in seen[t.shard]:
@@ -209,6 +212,7 @@ def _check_geometry(m: Manifest) -> None:
                              f"{end}..{m.region_bytes} of the region (after the header and the shards before it)")
         end = s.offset + s.size
     for t in m.tensors:
+        in_time(1024)
         s = m.shards[t.shard]
         if t.offset < s.offset or t.offset + t.nbytes > s.offset + s.size:
             raise ValueError(f"places tensor {clip(t.name, 80)!r} at bytes {t.offset}..{t.offset + t.nbytes}, outside "
