@@ -142,7 +142,8 @@ def _candidate_files(source: str) -> list[tuple[str, list[str] | None]]:
     if index is None or (os.path.isdir(source) and not os.path.lexists(index)):
         return [(f, None) for f in find_files(source)]
     try:
-        doc = load_json(read_bounded(index, MAX_INDEX, "checkpoint index"), max_bytes=MAX_INDEX, max_depth=3)
+        doc = load_json(read_bounded(index, MAX_INDEX, "checkpoint index"), max_bytes=MAX_INDEX, max_depth=3,
+                        max_values=MAX_INDEX // 8)
     except BoundaryError as err:
         raise SidecarError(index, f"cannot be read as a checkpoint index ({err}); fix it or point `checkpoint` at "
                                   "the .safetensors files") from err

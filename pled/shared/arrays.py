@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pled.shared.boundary import clip
+from pled.shared.boundary import clip, in_time
 from pled.shared.hugepages import PMD_SIZE
 from pled.shared.records import fields_of
 from pled.shared.tensors import DTYPE_BITS, nbits, shape_problem
@@ -127,6 +127,7 @@ def check(m) -> None:
         end = a.offset + a.nbytes
         lo = 0
         for src in a.sources:
+            in_time(1024)  # a client's attach(timeout) bounds these checks too (boundary.deadline)
             if not 0 <= src.tensor < len(m.tensors) or sourced[src.tensor]:
                 raise ValueError(f"gives {what} a source tensor {src.tensor} that is not one of the manifest's "
                                  "tensors, or is another array's too")
