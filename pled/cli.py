@@ -37,7 +37,7 @@ def _inspect(args) -> int:
     if checkpoint.looks_like_checkpoint(args.path) or args.checkpoint:
         return _inspect_checkpoint(checkpoint.open_checkpoint(args.path), args.json)
     sidecar = open_table(args.path)
-    if any(checkpoint.ple_name(t.name) for s in sidecar.shards for t in s.header.tensors):  # a checkpoint's files
+    if any(checkpoint.is_ple(t.name) for s in sidecar.shards for t in s.header.tensors):  # a checkpoint's files
         return _inspect_checkpoint(checkpoint.open_checkpoint(args.path), args.json)
     manifest = region.plan("inspect", sidecar)
     if args.json:
@@ -164,7 +164,8 @@ def _show_status(args, st: dict) -> int:
             notes.append(f"{t['table']}: NUMA {numa.get('policy') or 'policy unknown'}: {nodes}")
         if t.get("arrays"):
             notes.append(f"{t['table']}: {len(t['arrays'])} arrays for vLLM 0.33's PLE path, from "
-                         f"{t['shards']} checkpoint file(s)")
+                         f"{t['shards']} checkpoint file(s), a region of {gib(t['region_bytes'])} (each array on "
+                         "its own 2 MiB boundary; `pled status --json` lists them)")
         if t.get("error"):
             notes.append(f"{t['table']}: {t['error']}")
     if (st.get("daemon") or {}).get("metrics_file_error"):
@@ -331,6 +332,11 @@ def main(argv: list[str] | None = None) -> int:
         return err.exit_status
     except KeyboardInterrupt:
         return EX_INTERRUPTED
+    except BrokenPipeError:  # `pled status --json | head`: the reader has what it wanted
+        devnull = os.open(os.devnull, os.O_WRONLY)  # stdout's last flush at exit then goes nowhere, silently
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 0
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ of a verify); in a terminal, what is printed is all.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import sys
@@ -19,7 +20,7 @@ from pled import client
 from pled.daemon import journal, logs
 from pled.shared import protocol
 from pled.shared.boundary import BoundaryError, open_regular, say
-from pled.shared.digests import hash_bytes
+from pled.shared.digests import HEX_LENGTH, hash_bytes
 from pled.shared.errors import EX_NOT_RUNNING
 from pled.shared.sizes import gib, rate
 
@@ -39,25 +40,30 @@ def _first_difference(a: memoryview, b: bytes) -> int:
     return next(i for i in range(lo, hi) if a[i] != b[i])
 
 
-def verify_shard(table: client.Table, index: int, out=sys.stdout) -> bool:
+def verify_shard(table: client.Table, index: int, out=sys.stdout, pieces: list | None = None) -> bool:
     """Source file ``index`` of ``table`` against the region: its digests as recorded, then its bytes (the whole
-    file, or each PLE tensor of a checkpoint), one line of result."""
+    file; or a checkpoint file's header as staged, then each of its PLE tensors), one line of result. ``pieces``:
+    the file's pieces, where the caller has grouped them (else found here)."""
     shard = table.shards[index]
-    pieces = [p for p in table.manifest.pieces() if p.file == index]
+    if pieces is None:
+        pieces = [p for p in table.manifest.pieces() if p.file == index]
     name = os.path.basename(shard.path)
     prefix = f"[{index + 1}/{len(table.shards)}] {table.name}/{name}:"
     buf = memoryview(table.buffer)
     try:
         for p in pieces:
-            if p.digest:
-                with buf[p.offset : p.offset + p.nbytes] as held:
-                    algo = p.digest.partition(":")[0]
-                    got = f"{algo}:{hash_bytes(algo, held)}"
-                if got != p.digest:
-                    what = "" if p.name == name else f" (tensor {p.name})"
-                    say(f"{prefix}{what} the region no longer matches the digest recorded when it was staged "
-                        f"({got[:23]}... != {p.digest[:23]}...)", file=out)
-                    return False
+            what = "" if p.name == name else f" (tensor {p.name})"
+            algo = p.digest.partition(":")[0]
+            if algo not in HEX_LENGTH:  # a region pled staged records one for every piece: a server's lie otherwise
+                say(f"{prefix}{what} the region records no digest pled knows ({p.digest[:23]!r}): it was not "
+                    "staged by pled as it is", file=out)
+                return False
+            with buf[p.offset : p.offset + p.nbytes] as held:
+                got = f"{algo}:{hash_bytes(algo, held)}"
+            if got != p.digest:
+                say(f"{prefix}{what} the region no longer matches the digest recorded when it was staged "
+                    f"({got[:23]}... != {p.digest[:23]}...)", file=out)
+                return False
         try:
             fd = open_regular(shard.path)  # a FIFO or a device put in its place is refused, never waited on
         except BoundaryError as err:
@@ -73,7 +79,11 @@ def verify_shard(table: client.Table, index: int, out=sys.stdout) -> bool:
         try:
             size = os.fstat(fd).st_size
             if size != shard.size:
-                say(f"{prefix} DIFFERS: the file has {size} bytes, the region {shard.size}", file=out)
+                say(f"{prefix} DIFFERS: the file has {size} bytes; it had {shard.size} when pled staged it", file=out)
+                return False
+            if table.manifest.form == "arrays" and not _same_header(fd, shard):
+                say(f"{prefix} DIFFERS: its header is not the one pled staged (its tensors renamed, moved or "
+                    f"resized): `pled reload` stages the file as it is now", file=out)
                 return False
             for p in pieces:
                 if not _compare(fd, p, buf, prefix if p.name == name else f"{prefix} tensor {p.name}", out):
@@ -88,6 +98,16 @@ def verify_shard(table: client.Table, index: int, out=sys.stdout) -> bool:
         return True
     finally:
         buf.release()
+
+
+def _same_header(fd: int, shard) -> bool:
+    """The file's safetensors header now is the one pled read when it staged it (its sha256, the ShardEntry's
+    fingerprint): a checkpoint file's bytes outside its PLE tensors are not in the region to compare."""
+    head = os.pread(fd, 8, 0)
+    if len(head) < 8:
+        return False
+    length = int.from_bytes(head, "little")
+    return length < shard.size and hashlib.sha256(os.pread(fd, length, 8)).hexdigest() == shard.fingerprint
 
 
 def _compare(fd: int, piece, buf: memoryview, prefix: str, out) -> bool:
@@ -137,9 +157,13 @@ def _verify_table(socket: str, name: str, out) -> bool:
     with client.attach(name, socket=socket, populate=False) as t:
         files = f"{len(t.shards)} {'shards' if t.manifest.form == 'files' else 'checkpoint files'}"
         say(f"table {name} generation {t.generation}: {files}, {gib(t.manifest.source_bytes)}", file=out)
-        results = [verify_shard(t, i, out) for i in range(len(t.shards))]
+        by_file: dict[int, list] = {}
+        for p in t.manifest.pieces():
+            by_file.setdefault(p.file, []).append(p)
+        results = [verify_shard(t, i, out, by_file.get(i, [])) for i in range(len(t.shards))]
         bad = results.count(False)
-        say(f"table {name}: {'all shards identical' if not bad else f'{bad} shard(s) differ'}", file=out)
+        unit = "shard" if t.manifest.form == "files" else "file"
+        say(f"table {name}: {f'all {unit}s identical' if not bad else f'{bad} {unit}(s) differ'}", file=out)
         if bad and logs.journal_socket() is not None:
             log.warning("pled verify: table %s generation %d: %d shard(s) differ from its source files", name,
                         t.generation, bad, extra=journal.fields("verify_differs", table=name, generation=t.generation))

@@ -204,7 +204,7 @@ def test_pled_serves_verifies_and_reloads_a_checkpoint_table(tmp_path, daemon):
     assert [(a["param"], a["rows"]) for a in t["arrays"]] == [("weight", 3000), ("weight_scale", 3000),
                                                             ("weight", 3100), ("weight_scale", 3100)]
     text = harness.run_pled("status", "--socket", pled.socket).stdout
-    assert "qwen: 4 arrays for vLLM 0.33's PLE path, from 3 checkpoint file(s)" in text
+    assert "qwen: 4 arrays for vLLM 0.33's PLE path, from 3 checkpoint file(s), a region of" in text
     ok = harness.run_pled("verify", "--socket", pled.socket)
     assert ok.returncode == 0 and ok.stdout.count("identical (") == 3, ok.stdout
     name = f"{PREFIX.format(1)}.shard_9.weight"
@@ -303,3 +303,95 @@ def test_a_checkpoint_table_on_reserved_huge_pages_is_served_and_verified(tmp_pa
         done = harness.run_pled("verify", "--socket", pled.socket)
         assert done.returncode == 0 and done.stdout.count("identical (") == 2, done.stdout + done.stderr
         assert pled.stop() == 0
+
+
+@pytest.mark.parametrize("case", ["unicode-number", "long-number", "scale-alone", "scale-unsharded", "scale-bf16",
+                                  "width-0"])
+def test_a_table_vllm_would_read_otherwise_is_refused_naming_the_tensor(tmp_path, case):
+    scales = [shard(0, i, "weight_scale", width=4, dtype="F8_E4M3") for i in (0, 1)]
+    tensors = {
+        "unicode-number": [shard(0, 0), (f"{PREFIX.format(0)}.shard_\u0661.weight", "U8", (4, 32), bytes(128))],
+        "long-number": [shard(0, 0), (f"{PREFIX.format(0)}.shard_{'0' * 5}{10**9}.weight", "U8", (4, 32), bytes(128))],
+        "scale-alone": scales,
+        "scale-unsharded": [(f"{PREFIX.format(0)}.weight", "U8", (8, 32), bytes(256)), *scales],
+        "scale-bf16": [shard(0, 0), shard(0, 1),
+                       *((f"{PREFIX.format(0)}.shard_{i}.weight_scale", "BF16", (4, 4), bytes(32)) for i in (0, 1))],
+        "width-0": [shard(0, 0, width=0), shard(0, 1, width=0)],
+    }[case]
+    msg = _refused(tmp_path, tensors)
+    words = {"unicode-number": "vLLM reads its shard number '\u0661'", "long-number": "below 10**9 only",
+             "scale-alone": "has block scales (weight_scale shards) but no weight",
+             "scale-unsharded": "weight and weight_scale shards hold different rows",
+             "scale-bf16": "are not nvfp4's (U8 x W/2 and F8_E4M3 x W/16)", "width-0": "rows of width 0"}[case]
+    assert words in msg, msg
+
+
+def test_names_sort_by_their_numbers_whatever_their_digits(tmp_path):
+    from pled.daemon.sidecar import natural_key
+
+    names = ["shard_10", "shard_2", "shard_002", "m\u00b22", "x" + "7" * 5000, "x9"]
+    assert sorted(names, key=natural_key)[:3] == ["m\u00b22", "shard_2", "shard_002"]
+    assert sorted(names, key=natural_key)[-2:] == ["x9", names[4]]
+    # a prefix with a superscript digit (not a number to Python's int()) is a name like any other
+    write(str(tmp_path / "model.safetensors"), [("model.layers.1\u00b22.ple.ple_embedding.ngram_embedding.weight",
+                                                 "U8", (6, 32), bytes(192))])
+    assert open_checkpoint(str(tmp_path / "model.safetensors")).arrays[0].rows == 6
+
+
+def test_one_file_of_a_checkpoint_is_a_checkpoint(tmp_path):
+    """The file of a checkpoint that holds its PLE tensors, named as one of three: no numbering check."""
+    (made,) = make_checkpoint(str(tmp_path / "m"), "fp8", {0: 100, 1: 120}, width=32, parts=4, files=1)
+    path = tmp_path / "m" / "model-00002-of-00003.safetensors"
+    os.rename(made, path)
+    ck = open_checkpoint(str(path))
+    assert [s.path for s in ck.shards] == [str(path)] and len(ck.arrays) == 2
+
+
+def test_a_manifest_too_large_for_a_client_or_too_many_arrays_is_refused(tmp_path, monkeypatch):
+    from pled.daemon import checkpoint, planning
+
+    make_checkpoint(str(tmp_path / "m"), "nvfp4", {0: 100, 1: 120, 2: 130}, width=32, parts=4, files=1)
+    ck = open_checkpoint(str(tmp_path / "m"))
+    monkeypatch.setattr(region, "MAX_MANIFEST", 4096)
+    with pytest.raises(SidecarError, match="a client reads one of at most 4,096: serve fewer files in one table"):
+        planning.plan_table("t", ck)
+    monkeypatch.setattr(checkpoint, "MAX_ARRAYS", 5)
+    with pytest.raises(SidecarError, match="holds 6 PLE tables and parameters; pled takes at most 5"):
+        open_checkpoint(str(tmp_path / "m"))
+
+
+def test_a_manifest_works_out_its_pieces_once(tmp_path):
+    make_checkpoint(str(tmp_path / "m"), "nvfp4", {0: 100, 1: 120}, width=32, parts=8, files=2)
+    m = region.plan("t", open_checkpoint(str(tmp_path / "m")))
+    assert m.pieces() is m.pieces() and len(m.pieces()) == 32  # Status and each staging tick ask for its sums
+
+
+@pytest.mark.daemon
+def test_verify_finds_a_checkpoint_files_header_rewritten_at_the_same_size_and_mtime(tmp_path, daemon):
+    (path,) = make_checkpoint(str(tmp_path / "m"), "fp8", {0: 400, 1: 400}, width=32, parts=8, files=1)
+    pled = daemon({"ple": {"checkpoint": tmp_path / "m"}})
+    st = os.stat(path)
+    data = Path(path).read_bytes()
+    a, b = (f"{PREFIX.format(1)}.shard_{i}.weight".encode() for i in (4, 5))
+    assert data.count(a) == data.count(b) == 1  # swap two shards' names: the rows vLLM would read move
+    Path(path).write_bytes(data.replace(a, b"\0" * len(a)).replace(b, a).replace(b"\0" * len(a), b))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    out = harness.run_pled("verify", "--socket", pled.socket)
+    assert out.returncode == 1 and "DIFFERS: its header is not the one pled staged" in out.stdout, out.stdout
+
+
+def test_verify_of_a_region_whose_digests_are_not_pleds_is_one_line(tmp_path):
+    from pled import verify
+    from pled.client.mapped_table import Table
+
+    make_checkpoint(str(tmp_path / "m"), "fp8", {0: 100}, width=32, parts=2, files=1)
+    with staging.stage("t", open_checkpoint(str(tmp_path / "m"))) as r:
+        lied = r.manifest.with_digests(["md5:" + "0" * 32] * len(r.manifest.pieces()))
+        fd = os.memfd_create("lie", os.MFD_ALLOW_SEALING)
+        os.write(fd, os.pread(r.fd, r.manifest.region_bytes, 0))
+        os.pwrite(fd, region.encode_header(lied), 0)
+        out = tmp_path / "out.txt"
+        with Table(fd, 1, populate=False) as t, open(out, "w") as f:
+            assert verify.verify_shard(t, 0, f) is False
+    (line,) = out.read_text().splitlines()
+    assert "the region records no digest pled knows ('md5:0000" in line

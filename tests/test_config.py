@@ -39,7 +39,7 @@ def test_relative_table_path_is_taken_from_the_config_directory(tmp_path):
         ("socket = '/run/" + "x" * 120 + "'", "socket", "at most 107"),
         ("[[table]]\nname = 'a b'\npath = '/x'", "table[0].name", "table name"),
         ("[[table]]\nname = 'a'", "table[0]", "give either path"),
-        ("[[table]]\nname = 'a'\npath = 'x'\ncheckpoint = 'y'", "table[0]", "not both"),
+        ("[[table]]\nname = 'a'\npath = 'x'\ncheckpoint = 'y'", "table[0]", ": not both"),
         ("[[table]]\nname = 'a'\npath = '/x'\ncolour = 1", "table[0].colour", "unknown key"),
         ("[[table]]\nname = 'a'\npath = '/x'\n[[table]]\nname = 'a'\npath = '/y'", "table", "used twice"),
     ],

@@ -24,6 +24,7 @@ from pled.shared.errors import SidecarError
 from pled.shared.tensors import nbits
 
 INDEX = "model.safetensors.index.json"
+MAX_ARRAYS = 1024  # a model has a PLE table per layer, nvfp4 two arrays each: a few hundred at the most
 MAX_INDEX = 32 * 1024 * 1024  # a large model's index lists ~100,000 tensors in a few MB
 LOOKED_FOR = (f"tensors named <prefix>{arrays.SUFFIX}.shard_<i>.weight (nvfp4 also .weight_scale), or an unsharded "
               f"<prefix>{arrays.SUFFIX}.weight")
@@ -66,13 +67,12 @@ class Checkpoint:
         return sum(a.nbytes for a in self.arrays)
 
     def describe(self) -> dict:
+        held = [f for a in self.arrays for f, _ in a.tensors]
         return {
             "source": self.source, "form": "arrays", "layout": self.layout, "bytes": self.nbytes,
             "arrays": [{"prefix": a.prefix, "param": a.param, "dtype": a.dtype, "rows": a.rows, "width": a.width,
                         "shards": a.parts, "bytes": a.nbytes} for a in self.arrays],
-            "files": [{"path": s.path, "bytes": s.size, "ple_tensors": sum(f == s.index for a in self.arrays
-                                                                           for f, _ in a.tensors)}
-                      for s in self.shards],
+            "files": [{"path": s.path, "bytes": s.size, "ple_tensors": held.count(s.index)} for s in self.shards],
         }
 
 
@@ -81,7 +81,8 @@ Source = Sidecar | Checkpoint  # what a table is staged from: whole files, or a 
 
 def ple_name(name: str) -> tuple[str, int | None, str] | None:
     """(prefix, shard number or None for the unsharded form, parameter) of a PLE table tensor's name; None for any
-    other tensor. Linear in the name's length."""
+    other tensor; ValueError for a shard number vLLM reads and pled does not (not ASCII, or 10**9 or more). Linear in
+    the name's length."""
     head, sep, tail = name.rpartition(arrays.SUFFIX + ".")
     if not sep or not head:
         return None
@@ -91,9 +92,21 @@ def ple_name(name: str) -> tuple[str, int | None, str] | None:
     if not tail.startswith("shard_"):
         return None
     number, dot, param = tail[len("shard_"):].partition(".")
-    if dot and param in arrays.PARAMS and 0 < len(number) <= 9 and number.isascii() and number.isdigit():
-        return prefix, int(number), param
-    return None
+    if not dot or param not in arrays.PARAMS or not number.isdigit():  # what vLLM 0.33 skips too (str.isdigit)
+        return None
+    value = number.lstrip("0") or "0"
+    if not number.isascii() or len(value) > 9:
+        raise ValueError(f"tensor {clip(name, 200)!r}: vLLM reads its shard number {clip(number, 40)!r}, but pled "
+                         "takes shard numbers of ASCII digits below 10**9 only: rename it")
+    return prefix, int(value), param
+
+
+def is_ple(name: str) -> bool:
+    """Whether ``name`` is (or claims to be: ``ple_name`` refuses it) a PLE table's tensor."""
+    try:
+        return ple_name(name) is not None
+    except ValueError:
+        return True
 
 
 def looks_like_checkpoint(source: str) -> bool:
@@ -113,7 +126,10 @@ def open_checkpoint(source: str) -> Checkpoint:
             if name not in names:
                 raise SidecarError(path, f"has no tensor {clip(name, 120)!r}, which {INDEX} says it holds; the "
                                          "checkpoint is incomplete or its index stale")
-        hits = [(t, parsed) for t in header.tensors if (parsed := ple_name(t.name)) is not None]
+        try:
+            hits = [(t, parsed) for t in header.tensors if (parsed := ple_name(t.name)) is not None]
+        except ValueError as err:
+            raise SidecarError(path, str(err)) from None
         if hits:
             holding[path] = header
         for t, (prefix, number, param) in hits:
@@ -125,6 +141,9 @@ def open_checkpoint(source: str) -> Checkpoint:
     if not found:
         raise SidecarError(source, f"holds no PLE table: pled looked for {LOOKED_FOR}; point `checkpoint` at a "
                                    "Qwen4Exp checkpoint, or serve this with `path`")
+    if len(found) > MAX_ARRAYS:
+        raise SidecarError(source, f"holds {len(found)} PLE tables and parameters; pled takes at most {MAX_ARRAYS} "
+                                   "(each array is placed on its own 2 MiB boundary): is this one model's checkpoint?")
     paths = sorted(holding, key=lambda p: natural_key(os.path.basename(p)))
     shards = tuple(_shard(i, p, holding[p]) for i, p in enumerate(paths))
     file_index = {p: i for i, p in enumerate(paths)}
@@ -140,7 +159,7 @@ def _candidate_files(source: str) -> list[tuple[str, list[str] | None]]:
         raise SidecarError(source, "the checkpoint's path contains a NUL byte")
     index = os.path.join(source, INDEX) if os.path.isdir(source) else source if source.endswith(".json") else None
     if index is None or (os.path.isdir(source) and not os.path.lexists(index)):
-        return [(f, None) for f in find_files(source)]
+        return [(f, None) for f in find_files(source, numbering=False)]
     try:
         doc = load_json(read_bounded(index, MAX_INDEX, "checkpoint index"), max_bytes=MAX_INDEX, max_depth=3,
                         max_values=MAX_INDEX // 8)
@@ -190,6 +209,8 @@ def _array(prefix: str, param: str, slots: dict, file_index: dict[str, int]) -> 
             raise SidecarError(path, f"tensor {clip(t.name, 200)!r} is {t.dtype}{list(t.shape)}; the table's "
                                      f"shards are {first.dtype}[rows, {first.shape[-1] if first.shape else '?'}]")
     width = first.shape[1]
+    if width == 0:
+        raise SidecarError(slots[numbers[0]][0], f"table {clip(name, 200)} has rows of width 0")
     if nbits(first.dtype, (width,)) % 8:
         raise SidecarError(slots[numbers[0]][0], f"table {clip(name, 200)} has rows of {first.dtype} x {width}, "
                                                  "not a whole number of bytes")
@@ -217,13 +238,20 @@ def _runs(rows: list[int]) -> str:
 
 
 def _check_pairs(built: list[PleArray], shards: tuple[Shard, ...]) -> None:
-    """nvfp4's weight and weight_scale of one table: split alike (the same rows in each shard)."""
-    by_prefix: dict[str, list[PleArray]] = {}
-    for a in built:
-        by_prefix.setdefault(a.prefix, []).append(a)
-    for prefix, group in by_prefix.items():
-        if len(group) == 2 and [t.shape[0] for _, t in group[0].tensors] != [t.shape[0] for _, t in group[1].tensors]:
-            raise SidecarError(shards[group[1].tensors[0][0]].path,
-                               f"table {clip(prefix, 200)}: its weight and weight_scale shards hold different rows "
-                               f"({_runs([t.shape[0] for _, t in group[0].tensors])} against "
-                               f"{_runs([t.shape[0] for _, t in group[1].tensors])})")
+    """nvfp4's block scales (``weight_scale``) beside their table's ``weight``: U8 codes two a byte, one F8_E4M3 scale
+    each 16 values (the scales' width an eighth of the codes'), split alike (the same shards, the same rows each)."""
+    weights = {a.prefix: a for a in built if a.param == "weight"}
+    for scale in (a for a in built if a.param == "weight_scale"):
+        where = shards[scale.tensors[0][0]].path
+        weight = weights.get(scale.prefix)
+        if weight is None:
+            raise SidecarError(where, f"table {clip(scale.prefix, 200)} has block scales (weight_scale shards) but no "
+                                      "weight: the checkpoint is incomplete")
+        if (weight.dtype, scale.dtype) != ("U8", "F8_E4M3") or scale.width * 8 != weight.width:
+            raise SidecarError(where, f"table {clip(scale.prefix, 200)}: weight {weight.dtype} x {weight.width} and "
+                                      f"weight_scale {scale.dtype} x {scale.width} are not nvfp4's (U8 x W/2 and "
+                                      "F8_E4M3 x W/16)")
+        rows = ([t.shape[0] for _, t in weight.tensors], [t.shape[0] for _, t in scale.tensors])
+        if weight.parts != scale.parts or rows[0] != rows[1]:
+            raise SidecarError(where, f"table {clip(scale.prefix, 200)}: its weight and weight_scale shards hold "
+                                      f"different rows ({_runs(rows[0])} against {_runs(rows[1])})")

@@ -113,8 +113,8 @@ class TableConfig(BaseModel):
     def _one_source(self) -> TableConfig:
         if (self.path is None) == (self.checkpoint is None):
             raise ValueError("give either path (a sidecar directory, or a glob of .safetensors files, staged whole) "
-                             "or checkpoint (a model checkpoint whose PLE tables vLLM 0.33 pins), not "
-                             + ("both" if self.path else "neither"))
+                             "or checkpoint (a model checkpoint whose PLE tables vLLM 0.33 pins): "
+                             + ("not both" if self.path else "neither is given"))
         return self
 
     @property

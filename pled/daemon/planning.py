@@ -20,7 +20,7 @@ from pled.daemon.pageplan import PagePlan
 from pled.daemon.sidecar import open_table
 from pled.shared import region
 from pled.shared.boundary import clip
-from pled.shared.errors import ConfigError, PledError
+from pled.shared.errors import ConfigError, PledError, SidecarError
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,19 @@ def check_distinct(config: Config, sidecars: dict[str, Source]) -> None:
 
 
 def plan_tables(sidecars: dict[str, Source]) -> dict[str, region.Manifest]:
-    return {name: region.plan(name, s) for name, s in sidecars.items()}
+    return {name: plan_table(name, s) for name, s in sidecars.items()}
+
+
+def plan_table(name: str, source: Source) -> region.Manifest:
+    """The table's region as ``region.plan`` places it, refused (78) where its manifest is larger than a client
+    reads (region.MAX_MANIFEST): every client would refuse the region pled staged."""
+    manifest = region.plan(name, source)
+    length = len(manifest.to_json())
+    if length > region.MAX_MANIFEST:
+        raise SidecarError(source.source, f"table {clip(name)}: its {len(manifest.tensors):,} tensors take a "
+                                          f"manifest of {length:,} bytes, and a client reads one of at most "
+                                          f"{region.MAX_MANIFEST:,}: serve fewer files in one table")
+    return manifest
 
 
 def plan_pages(config: Config, manifests: dict[str, region.Manifest], proc_root: str = "/",
@@ -111,7 +123,7 @@ def plan_reload(source: str, served: dict[str, region.Manifest], proc_root: str 
     sidecars = open_tables(config)
     fresh, unchanged = {}, []
     for name, sidecar in sidecars.items():
-        planned = region.plan(name, sidecar)
+        planned = plan_table(name, sidecar)
         page_size = (served_pages or {}).get(name, 0)
         if name in served and served[name] == planned.paged(page_size).identity():
             why = pageplan.mismatch(placements[name], page_size, planned.region_bytes, proc_root)

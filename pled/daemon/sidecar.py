@@ -111,12 +111,18 @@ def numbered_of(name: str) -> tuple[str, int, int] | None:
 
 
 def natural_key(name: str) -> list:
-    """shard_2 before shard_10."""
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+    """shard_2 before shard_10: runs of ASCII digits compared as numbers (by length without leading zeros, then
+    text: no int() of a run however long), everything else as text."""
+    parts: list = re.split(r"(\d+)", name, flags=re.ASCII)
+    for i in range(1, len(parts), 2):
+        digits = parts[i].lstrip("0")
+        parts[i] = (len(digits), digits)
+    return parts
 
 
-def find_files(source: str) -> list[str]:
-    """The .safetensors files a table path names, in numeric order."""
+def find_files(source: str, numbering: bool = True) -> list[str]:
+    """The .safetensors files a table path names, in numeric order; with ``numbering``, a gap in their numbers
+    refused (a sidecar's, or a glob's; a checkpoint's files are whatever holds its PLE tensors)."""
     if "\0" in source:
         raise SidecarError(source, "the table's path contains a NUL byte")
     if os.path.isdir(source):
@@ -142,7 +148,8 @@ def find_files(source: str) -> list[str]:
     else:
         raise SidecarError(source, "no such file or directory; check the table's path")
     files.sort(key=lambda f: natural_key(os.path.basename(f)))
-    check_numbering(files)
+    if numbering:
+        check_numbering(files)
     return files
 
 

@@ -23,6 +23,7 @@ import json
 import os
 import struct
 from dataclasses import dataclass, fields, replace
+from functools import cached_property
 
 from pled.shared import arrays as arrays_form, layouts
 from pled.shared.arrays import ArrayEntry
@@ -110,20 +111,25 @@ class Manifest:
         """"files" (a sidecar or a glob: each file byte for byte) or "arrays" (a checkpoint's PLE tables)."""
         return "arrays" if self.arrays else "files"
 
-    def pieces(self) -> list[Piece]:
-        """What staging copies, in the order it copies them (file by file, each front to back)."""
+    def pieces(self) -> tuple[Piece, ...]:
+        """What staging copies, in the order it copies them (file by file, each front to back). Worked out once a
+        manifest (it is frozen): Status and each loop turn while staging ask for its sums."""
+        return self._pieces
+
+    @cached_property
+    def _pieces(self) -> tuple[Piece, ...]:
         if not self.arrays:
-            return [Piece(s.index, 0, s.size, s.offset, os.path.basename(s.path), s.digest) for s in self.shards]
+            return tuple(Piece(s.index, 0, s.size, s.offset, os.path.basename(s.path), s.digest) for s in self.shards)
         out = [Piece(t.shard, src.begin, t.nbytes, t.offset, t.name, src.digest)
                for a in self.arrays for src in a.sources for t in (self.tensors[src.tensor],)]
-        return sorted(out, key=lambda p: (p.file, p.begin))
+        return tuple(sorted(out, key=lambda p: (p.file, p.begin)))
 
-    @property
+    @cached_property
     def source_bytes(self) -> int:
         """Bytes copied from the sources: the files, or the arrays' tensors."""
         return sum(p.nbytes for p in self.pieces()) if self.arrays else sum(s.size for s in self.shards)
 
-    @property
+    @cached_property
     def content_digest(self) -> str:
         """One digest of the table's content: of its pieces' digests, in order ("" before staging)."""
         digests = [p.digest for p in self.pieces()]
