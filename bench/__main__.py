@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 from bench import hugepages, offload, ple033, report, soak, status_cli, table_gather  # sections 5-10, by number
-from pled.daemon import staging
-from pled.daemon.sidecar import open_table
+from pled.daemon.regions import staging
+from pled.daemon.sources.sidecar import open_table
 from pled.generator import make_sidecar
 from pled.shared.hugepages import THP
 from pled.shared.pagecache import cached_bytes

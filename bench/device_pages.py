@@ -1,5 +1,5 @@
 """The tables bench/device_check.py registers: a synthetic model checkpoint (pled.generator.make_checkpoint) staged
-by pled (pled.daemon.staging.stage, as in pled.demo) on 4 KiB pages, on transparent huge pages and on reserved
+by pled (pled.daemon.regions.staging.stage, as in pled.demo) on 4 KiB pages, on transparent huge pages and on reserved
 (hugetlb) 2 MiB pages, with every host setting it changes put back; and what the kernel says of No CUDA here: this
 module runs on any Linux host.
 
@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.hugepages import NotMeasured, host_settings, reserve, shmem_enabled
-from pled.daemon import staging
-from pled.daemon.checkpoint import open_checkpoint
-from pled.daemon.pageplan import NumaPolicy, PagePlan
-from pled.daemon.safetensors_file import read_header
+from pled.daemon.memory.pageplan import NumaPolicy, PagePlan
+from pled.daemon.regions import staging
+from pled.daemon.sources.checkpoint import open_checkpoint
+from pled.daemon.sources.safetensors_file import read_header
 from pled.generator import make_checkpoint
 from pled.shared import region
 from pled.shared.hugepages import PMD_SIZE, PolicyUnreadable, read_policy

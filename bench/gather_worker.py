@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from pled.daemon.sidecar import open_table
+from pled.daemon.sources.sidecar import open_table
 from pled.shared import dequant
 
 

@@ -115,7 +115,7 @@ def shmem_enabled(value: str) -> Iterator[str]:
 
 def make_table(d: Path, size_gib: float, shards: int) -> dict:
     """A ples_int4 sidecar of about ``size_gib`` GiB (100 bytes a row), written out to disk; its figures."""
-    from pled.daemon.sidecar import open_table
+    from pled.daemon.sources.sidecar import open_table
     from pled.generator import make_sidecar
     from pled.shared import region
 

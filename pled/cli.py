@@ -8,7 +8,7 @@ import os
 import sys
 
 from pled import __version__
-from pled.daemon import journal, logs
+from pled.daemon.health import journal, logs
 from pled.shared import config_file
 from pled.shared.boundary import say
 from pled.shared.errors import EX_CONFIG, EX_INTERRUPTED, EX_NOT_RUNNING, EX_USAGE, PledError
@@ -29,8 +29,8 @@ def _load_config(path: str | None):
 
 
 def _inspect(args) -> int:
-    from pled.daemon import checkpoint
-    from pled.daemon.sidecar import open_table
+    from pled.daemon.sources import checkpoint
+    from pled.daemon.sources.sidecar import open_table
     from pled.shared import region
     from pled.shared.sizes import gib
 
@@ -54,7 +54,7 @@ def _inspect(args) -> int:
     say(f"  bytes      {sidecar.nbytes} ({gib(sidecar.nbytes)}); "
         f"region {manifest.region_bytes} ({gib(manifest.region_bytes)}) with alignment")
     if sidecar.meta:
-        from pled.daemon.sidecar_meta import COUNT_KEYS, other_keys
+        from pled.daemon.sources.sidecar_meta import COUNT_KEYS, other_keys
 
         said = [f"{k} = {json.dumps(sidecar.meta[k])}" for k in ("layout", *COUNT_KEYS) if k in sidecar.meta]
         say(f"  META.json  {', '.join(said) or 'no identity keys'} (checked against the shards)")
@@ -67,7 +67,7 @@ def _inspect(args) -> int:
 
 def _preflight(args) -> int:
     config = _load_config(args.config)
-    from pled.daemon.planning import open_tables, plan_tables, run_preflight
+    from pled.daemon.regions.planning import open_tables, plan_tables, run_preflight
 
     verdict = run_preflight(config, plan_tables(open_tables(config)))
     if args.json:
@@ -225,7 +225,7 @@ def _demo(args) -> int:
 
 
 def _make_sidecar(args) -> int:
-    from pled.daemon.sidecar_meta import META_LAYOUT, PUBLISHED_LAYOUT
+    from pled.daemon.sources.sidecar_meta import META_LAYOUT, PUBLISHED_LAYOUT
     from pled.generator import make_sidecar
     from pled.shared.layouts import PUBLISHED_ROWS_PER_SHARD, PUBLISHED_WIDTH
 

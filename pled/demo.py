@@ -9,8 +9,9 @@ import time
 
 import numpy as np
 
-from pled.daemon import preflight, staging
-from pled.daemon.sidecar import open_table
+from pled.daemon.memory import preflight
+from pled.daemon.regions import staging
+from pled.daemon.sources.sidecar import open_table
 from pled.generator import make_sidecar
 from pled.shared import dequant, region
 from pled.shared.errors import EX_CONFIG

@@ -1,6 +1,6 @@
 """A synthetic sidecar in the exact shipped format, deterministic from a seed, with a META.json in the
 published form (fp8's layout string is pled's own: the published one is not known; see
-pled.daemon.sidecar_meta).
+pled.daemon.sources.sidecar_meta).
 
 Values are real quantized data: every code dequantizes to a finite number
 (fp8 codes skip the NaN patterns, scales are positive), so tests and benchmarks
@@ -18,8 +18,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pled.daemon.safetensors_file import write
-from pled.daemon.sidecar_meta import META_LAYOUT
+from pled.daemon.sources.safetensors_file import write
+from pled.daemon.sources.sidecar_meta import META_LAYOUT
 from pled.shared import layouts
 
 
@@ -82,7 +82,7 @@ def make_sidecar(directory: str, layout: str = "ples_int4", shards: int | None =
                    for n, d, s, a in shard_tensors(layout, count, width, rng)],
             metadata={"format": "pt", "layout": layout})
         paths.append(path)
-    # The published form (see pled.daemon.sidecar_meta): its layout string, shards, rows in all, width; then ours.
+    # The published form (pled.daemon.sources.sidecar_meta): its layout string, shards, rows in all, width; then ours.
     even = len(set(per_shard)) == 1
     meta = {"layout": META_LAYOUT[layout], "shards": len(per_shard), "rows": sum(per_shard), "width": width,
             "rows_per_shard": per_shard[0] if even else per_shard, "seed": seed, "generator": "pled make-sidecar",
@@ -93,7 +93,7 @@ def make_sidecar(directory: str, layout: str = "ples_int4", shards: int | None =
     return paths
 
 
-# -- a model checkpoint's PLE tables (the arrays form: pled.daemon.checkpoint) ----------------------------------
+# -- a model checkpoint's PLE tables (the arrays form: pled.daemon.sources.checkpoint) -------------------------------
 
 CHECKPOINT_DTYPES = ("bf16", "fp8", "nvfp4")
 PLE_PREFIX = "model.language_model.layers.{layer}.ple.ple_embedding"  # as Qwen4Exp checkpoints name them

@@ -17,7 +17,7 @@ import sys
 import time
 
 from pled import client
-from pled.daemon import journal, logs
+from pled.daemon.health import journal, logs
 from pled.shared import protocol
 from pled.shared.boundary import BoundaryError, open_regular, say
 from pled.shared.digests import HEX_LENGTH, hash_bytes

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from pled import client
-from pled.daemon import hostmem
+from pled.daemon.memory import hostmem
 from pled.shared import protocol
 
 MiB = 1024**2

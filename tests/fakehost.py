@@ -1,6 +1,6 @@
 """A host's /proc and /sys/fs/cgroup as fixture trees under a directory, for the preflight to read
 (tests/test_preflight.py, tests/test_cgroup_reclaimable.py)."""
-from pled.daemon import preflight
+from pled.daemon.memory import preflight
 
 GiB = 1024**3
 KB = 1024

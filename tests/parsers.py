@@ -17,7 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pled.daemon import checkpoint, config, hostmem, numa, safetensors_file, sidecar, sidecar_meta
+from pled.daemon import config
+from pled.daemon.memory import hostmem, numa
+from pled.daemon.sources import checkpoint, safetensors_file, sidecar, sidecar_meta
 from pled.shared import boundary, protocol, region
 from pled.shared.errors import PledError
 

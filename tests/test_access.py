@@ -80,7 +80,7 @@ def test_ids_a_private_user_namespace_does_not_map(tmp_path):
     """PrivateUsers=yes maps root and pled's own ids only; an allow_uids entry outside that can never match."""
     (tmp_path / "uid_map").write_text("         0          0          1\n       998        998          1\n")
     (tmp_path / "gid_map").write_text("         0          0 4294967295\n")
-    from pled.daemon.access import unmapped_ids
+    from pled.daemon.serving.access import unmapped_ids
 
     assert unmapped_ids("uid", [0, 998, 1000], proc=str(tmp_path)) == {1000}
     assert unmapped_ids("gid", [5, 1000], proc=str(tmp_path)) == set()

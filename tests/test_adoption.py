@@ -1,5 +1,5 @@
-"""Adopting a region systemd kept (pled/daemon/fdstore.py): only one that is sealed and planned from the very same
-files.
+"""Adopting a region systemd kept (pled/daemon/systemd/fdstore.py): only one that is sealed and planned from the very
+same files.
 
 Real memfds and files; the Notifier has no NOTIFY_SOCKET, so FDSTOREREMOVE goes nowhere."""
 import logging
@@ -8,10 +8,11 @@ import shutil
 
 import pytest
 
-from pled.daemon import fdstore, staging
-from pled.daemon.fdstore import StoredFd
-from pled.daemon.notify import Notifier
-from pled.daemon.sidecar import open_table
+from pled.daemon.regions import staging
+from pled.daemon.sources.sidecar import open_table
+from pled.daemon.systemd import fdstore
+from pled.daemon.systemd.fdstore import StoredFd
+from pled.daemon.systemd.notify import Notifier
 from pled.shared import region
 
 
@@ -24,7 +25,7 @@ def staged(sidecar):
 
 
 def sort(d, fds, caplog):
-    caplog.set_level(logging.INFO, logger="pled.daemon.fdstore")
+    caplog.set_level(logging.INFO, logger="pled.daemon.systemd.fdstore")
     return fdstore.adopt_stored(fds, {"t": region.plan("t", open_table(str(d)))}, fdstore.FdStore(Notifier({}), {}))
 
 
@@ -95,7 +96,7 @@ def test_a_stored_region_whose_mode_pled_cannot_change_is_staged_anew(staged, ca
     from forked import as_user  # pled as an unprivileged uid that does not own the memfd
 
     planned = {"t": region.plan("t", open_table(str(d)))}  # here: pytest's directory is closed to uid 65534
-    caplog.set_level(logging.INFO, logger="pled.daemon.fdstore")
+    caplog.set_level(logging.INFO, logger="pled.daemon.systemd.fdstore")
 
     def adopt() -> str:
         out = fdstore.adopt_stored([StoredFd(fd, "pled.1.t")], planned, fdstore.FdStore(Notifier({}), {}))

@@ -74,7 +74,7 @@ def test_3_accept_rests_while_no_fd_is_free(tmp_path, sidecar, pleds):
     rest (not spin, not log a line per try) and take clients again once fds are free."""
     d = sidecar(shards=4, rows=64)
     pled = start(tmp_path, {"t1": d}, nofile=256,
-                 patch="import pled.daemon.fdlimit as f; f.max_connections = lambda n: 4096")
+                 patch="import pled.daemon.serving.fdlimit as f; f.max_connections = lambda n: 4096")
     pleds.append(pled)
     before = baseline(pled, "t1")
     idle = idle_connections(pled.socket, 400)
@@ -118,7 +118,7 @@ def test_5_fds_in_flight_are_bounded_per_connection(tmp_path, sidecar, pleds):
     while the attackers stay. pled's own bound comes first: an attacker receives at most MAX_FDS_PER_CONNECTION fds
     and is dropped, named, and others attach meanwhile."""
     try:
-        from pled.daemon.session import MAX_FDS_PER_CONNECTION
+        from pled.daemon.serving.session import MAX_FDS_PER_CONNECTION
     except ImportError:  # today's main, which has no such bound
         MAX_FDS_PER_CONNECTION = 16
 
@@ -159,7 +159,7 @@ def test_5_fds_in_flight_are_bounded_per_connection(tmp_path, sidecar, pleds):
 
 CHAOS = """
 import os, random
-import pled.daemon.handlers as h, pled.daemon.planning as p, pled.daemon.tables as t
+import pled.daemon.handlers as h, pled.daemon.regions.planning as p, pled.daemon.tables as t
 rng = random.Random(11)
 KINDS = [RuntimeError, KeyError, OSError, ValueError, TypeError, RecursionError, ZeroDivisionError, AttributeError]
 def chaotic(f):
@@ -213,7 +213,7 @@ def test_a_group_member_holding_attached_connections_cannot_lock_out_root_or_oth
 
     from harness import unused_gid
     from pled import client
-    from pled.daemon import fdlimit
+    from pled.daemon.serving import fdlimit
 
     gid = unused_gid()
     d = sidecar(shards=2, rows=64)
@@ -265,7 +265,7 @@ def test_the_attach_and_detach_lines_of_one_uid_are_a_budget_not_a_flood(tmp_pat
     gets its first 64 lines, then one a second, and the next line written says how many were held back; every
     attach is still counted in Status, and other uids' lines are their own budget."""
     from pled import client
-    from pled.daemon.throttle import Budget
+    from pled.daemon.health.throttle import Budget
 
     d = sidecar(shards=2, rows=64)
     pled = start(tmp_path, {"t1": d})
@@ -289,7 +289,7 @@ def test_the_attach_and_detach_lines_of_one_uid_are_a_budget_not_a_flood(tmp_pat
 
 
 def test_a_budget_writes_its_burst_then_its_rate_and_says_what_it_held_back(monkeypatch):
-    from pled.daemon import throttle
+    from pled.daemon.health import throttle
 
     now = [100.0]
     monkeypatch.setattr(throttle.time, "monotonic", lambda: now[0])
@@ -313,7 +313,7 @@ def test_refused_reloads_of_one_uid_are_a_budget_not_a_flood(tmp_path, sidecar, 
     it wrote 28,000 warning lines a second. Now its lines are a budget; every refusal is still counted."""
     from harness import unused_gid
     from pled import client
-    from pled.daemon.throttle import Budget
+    from pled.daemon.health.throttle import Budget
 
     gid = unused_gid()
     d = sidecar(shards=2, rows=64)

@@ -206,7 +206,7 @@ def test_status_survives_a_sidecar_directory_replaced(tmp_path, sidecar, how):
 
 GATED = """
 import os, time
-import pled.daemon.sidecar as s
+import pled.daemon.sources.sidecar as s
 _open = s.open_table
 def open_table(path):
     if os.path.exists(path + ".gate"):  # a sidecar on a disk that takes its time

@@ -9,7 +9,7 @@ import pytest
 
 from cgroups import oom_kills
 from harness import Daemon, drop_page_cache, write_config
-from pled.daemon.sidecar import open_table
+from pled.daemon.sources.sidecar import open_table
 from pled.shared import region
 
 pytestmark = [pytest.mark.daemon, pytest.mark.root]  # the memcg fixture (tests/conftest.py) makes the cgroups

@@ -22,7 +22,7 @@ import torch
 from cgroups import join_and_exec, oom_kills
 from harness import Daemon, drop_page_cache, run_pled, write_config
 from pled import client
-from pled.daemon.sidecar import open_table
+from pled.daemon.sources.sidecar import open_table
 from pled.shared import region
 
 pytestmark = [pytest.mark.daemon, pytest.mark.root, pytest.mark.slow]

@@ -3,7 +3,7 @@
 The fixtures differ where the right and the wrong keys differ: 30 GiB of shmem (memfds: a staged table, say) is
 counted in cache/file but can only be swapped, not reclaimed; and cache/file differ from active + inactive file."""
 from fakehost import V1_MOUNT, V2_MOUNT, GiB, Host
-from pled.daemon import preflight
+from pled.daemon.memory import preflight
 
 
 def test_v1_shmem_in_cache_is_not_reclaimable(tmp_path):

@@ -1,6 +1,7 @@
-"""A `checkpoint` table (pled/daemon/checkpoint.py, pled/shared/arrays.py): a model checkpoint's PLE tables staged as
-arrays, one per table and pinned parameter, rows in shard order, on 2 MiB boundaries, with every other promise of a
-table kept (exact preflight bytes, page cache dropped, seals, digests, verify, Status, reload, the fd store).
+"""A `checkpoint` table (pled/daemon/sources/checkpoint.py, pled/shared/arrays.py): a model checkpoint's PLE tables
+staged as arrays, one per table and pinned parameter, rows in shard order, on 2 MiB boundaries, with every other
+promise of a table kept (exact preflight bytes, page cache dropped, seals, digests, verify, Status, reload, the fd
+store).
 
 The bytes are checked against a reader of the safetensors format written here, independent of pled's."""
 import json
@@ -14,11 +15,12 @@ from pathlib import Path
 import pytest
 
 import harness
-from pled.daemon import fdstore, staging
-from pled.daemon.checkpoint import open_checkpoint
-from pled.daemon.fdstore import StoredFd
-from pled.daemon.notify import Notifier
-from pled.daemon.safetensors_file import write
+from pled.daemon.regions import staging
+from pled.daemon.sources.checkpoint import open_checkpoint
+from pled.daemon.sources.safetensors_file import write
+from pled.daemon.systemd import fdstore
+from pled.daemon.systemd.fdstore import StoredFd
+from pled.daemon.systemd.notify import Notifier
 from pled.generator import make_checkpoint, make_sidecar, shard_rows
 from pled.shared import region
 from pled.shared.digests import hash_bytes
@@ -161,7 +163,7 @@ def test_a_stored_checkpoint_region_is_adopted_only_while_its_files_are_unchange
     files = make_checkpoint(str(tmp_path), "fp8", {0: 300, 1: 400}, width=32, parts=4, files=2)
     planned = lambda: {"t": region.plan("t", open_checkpoint(str(tmp_path)))}  # noqa: E731
     r = staging.stage("t", open_checkpoint(str(tmp_path)))
-    caplog.set_level(logging.INFO, logger="pled.daemon.fdstore")
+    caplog.set_level(logging.INFO, logger="pled.daemon.systemd.fdstore")
     out = fdstore.adopt_stored([StoredFd(os.dup(r.fd), "pled.2.t")], planned(), fdstore.FdStore(Notifier({}), {}))
     assert out.adopted["t"][0].manifest == r.manifest
     out.adopted["t"][0].close()
@@ -183,7 +185,7 @@ def test_pled_inspect_lists_a_checkpoints_ple_tables(tmp_path):
 
 
 def flip(path: str, name: str) -> int:
-    from pled.daemon.safetensors_file import read_header
+    from pled.daemon.sources.safetensors_file import read_header
 
     t = next(t for t in read_header(path).tensors if t.name == name)
     at = t.begin + t.nbytes // 3
@@ -327,7 +329,7 @@ def test_a_table_vllm_would_read_otherwise_is_refused_naming_the_tensor(tmp_path
 
 
 def test_names_sort_by_their_numbers_whatever_their_digits(tmp_path):
-    from pled.daemon.sidecar import natural_key
+    from pled.daemon.sources.sidecar import natural_key
 
     names = ["shard_10", "shard_2", "shard_002", "m\u00b22", "x" + "7" * 5000, "x9"]
     assert sorted(names, key=natural_key)[:3] == ["m\u00b22", "shard_2", "shard_002"]
@@ -348,7 +350,8 @@ def test_one_file_of_a_checkpoint_is_a_checkpoint(tmp_path):
 
 
 def test_a_manifest_too_large_for_a_client_or_too_many_arrays_is_refused(tmp_path, monkeypatch):
-    from pled.daemon import checkpoint, planning
+    from pled.daemon.regions import planning
+    from pled.daemon.sources import checkpoint
 
     make_checkpoint(str(tmp_path / "m"), "nvfp4", {0: 100, 1: 120, 2: 130}, width=32, parts=4, files=1)
     ck = open_checkpoint(str(tmp_path / "m"))

@@ -6,9 +6,9 @@ The server here is a stand-in, on purpose: pled itself never sends either (stagi
 F_ADD_SEALS before a region is served, and an Attach reply takes its fingerprint from the very table whose region it
 sends), so a real daemon cannot be made to offer one. The stand-in is as close to pled as the case allows: a real
 Unix socket, a real memfd passed with SCM_RIGHTS on the reply's first byte, and the bytes of a region that pled's own
-staging code (``pled.daemon.staging.stage``) made from a real sidecar. Only the seals, or the reply's fingerprint,
-differ from what pled would send; ``test_the_stand_in_is_attached_when_nothing_is_wrong`` shows that with nothing
-changed the same stand-in is attached, so each refusal below is for the one thing changed.
+staging code (``pled.daemon.regions.staging.stage``) made from a real sidecar. Only the seals, or the reply's
+fingerprint, differ from what pled would send; ``test_the_stand_in_is_attached_when_nothing_is_wrong`` shows that with
+nothing changed the same stand-in is attached, so each refusal below is for the one thing changed.
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ import pytest
 from fakeserver import FakeServer
 from pled.client import connection
 from pled.client.library import attach
-from pled.daemon import staging
-from pled.daemon.sidecar import open_table
+from pled.daemon.regions import staging
+from pled.daemon.sources.sidecar import open_table
 from pled.shared import protocol, region
 
 MEMFD_NAME = "pled-test-stand-in"  # how the stand-in's memfds show in /proc/self/maps

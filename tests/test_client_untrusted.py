@@ -207,7 +207,7 @@ def test_an_unknown_dtype_is_refused(tmp_path, no_fd_leak):
 
 
 def test_the_dtypes_a_region_may_hold_are_those_pled_stages():
-    from pled.daemon.safetensors_file import DTYPE_BITS
+    from pled.daemon.sources.safetensors_file import DTYPE_BITS
 
     assert DTYPE_BITS is region.DTYPE_BITS  # one table, for the daemon's reader and the client's check
     assert set(mapped_table._TORCH_DTYPES) <= set(region.DTYPE_BITS)

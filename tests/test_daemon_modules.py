@@ -8,9 +8,9 @@ PLED = Path(__file__).resolve().parent.parent / "pled"
 
 
 def test_preflight_imports_no_daemon_code():
-    code = ("import sys, pled.cli, pled.daemon.planning; "
-            "print(' '.join(m for m in ('pled.daemon.lifecycle', 'pled.daemon.server', 'pled.daemon.staging', "
-            "'pled.daemon.stager') if m in sys.modules))")
+    code = ("import sys, pled.cli, pled.daemon.regions.planning; "
+            "print(' '.join(m for m in ('pled.daemon.lifecycle', 'pled.daemon.serving.server', "
+            "'pled.daemon.regions.staging', 'pled.daemon.stager') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == ""
 

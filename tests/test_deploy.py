@@ -17,7 +17,7 @@ from yamllint import config as yamllint_config, linter
 
 from harness import Daemon, write_config
 from pled.daemon import config as config_mod
-from pled.daemon.sidecar import open_table
+from pled.daemon.sources.sidecar import open_table
 from pled.shared import region
 from pled.shared.sizes import parse_size
 

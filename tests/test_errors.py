@@ -10,8 +10,8 @@ import pytest
 from forked import as_user
 from pled import client
 from pled.client import mapped_table
-from pled.daemon import staging
-from pled.daemon.sidecar import open_table
+from pled.daemon.regions import staging
+from pled.daemon.sources.sidecar import open_table
 from pled.shared import region
 
 
@@ -70,8 +70,8 @@ def test_a_populate_that_fails_is_an_error_not_a_crash(sidecar, tmp_path):
     code = textwrap.dedent(f"""
         import os
         from pled import client
-        from pled.daemon import staging
-        from pled.daemon.sidecar import open_table
+        from pled.daemon.regions import staging
+        from pled.daemon.sources.sidecar import open_table
         with staging.stage("t", open_table({str(d)!r})) as r:
             data = os.pread(r.fd, r.manifest.region_bytes, 0)
         fd = os.memfd_create("copy")  # an unsealed copy, so that it can shrink under the mapping

@@ -279,7 +279,7 @@ def test_a_member_of_pleds_group_gets_no_writable_fd_by_any_sequence(tmp_path, s
 
 NO_PROC = """
 import fcntl, logging, os
-from pled.daemon import session
+from pled.daemon.serving import session
 logging.basicConfig(format="%(levelname)s %(message)s")
 fd = os.memfd_create("pled:t", os.MFD_ALLOW_SEALING)
 mine = [session.readonly_duplicate(fd) for _ in range(3)]

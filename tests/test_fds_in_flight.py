@@ -15,7 +15,7 @@ from attack import PING, assert_serving, baseline, ping_capacity, settle_fds, un
 from forked import become
 from harness import start, unused_gid, wait_until
 from pled import client
-from pled.daemon import fdlimit
+from pled.daemon.serving import fdlimit
 from pled.shared import protocol
 
 pytestmark = [pytest.mark.daemon, pytest.mark.root]

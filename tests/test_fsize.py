@@ -10,8 +10,8 @@ import time
 import pytest
 
 from harness import Daemon, run_pled, write_config
-from pled.daemon import preflight
-from pled.daemon.sidecar import open_table
+from pled.daemon.memory import preflight
+from pled.daemon.sources.sidecar import open_table
 from pled.shared import region
 from pled.shared.errors import EX_CONFIG, PreflightRefused
 from pled.shared.sizes import gib

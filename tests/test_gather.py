@@ -47,7 +47,7 @@ def test_gather_rejects_bad_requests(sidecar, daemon):
 def test_gather_on_a_generic_table_is_refused(tmp_path, daemon):
     import numpy as np
 
-    from pled.daemon.safetensors_file import write
+    from pled.daemon.sources.safetensors_file import write
 
     write(str(tmp_path / "model-00001-of-00001.safetensors"),
           [("w", "F32", (2, 2), np.ones((2, 2), np.float32).tobytes())])

@@ -22,7 +22,7 @@ from hugepool import (
     reserve,
     run_forked,
 )
-from pled.daemon import hugetlb, numa
+from pled.daemon.memory import hugetlb, numa
 from pled.shared import region
 from pled.shared.pagecache import cached_bytes_fd, is_hugetlb, mapping_address, page_size
 
@@ -196,7 +196,7 @@ def fresh_process(fd: int, code: str) -> dict:
 
 MAP_AND_READ = """
 import json, mmap, os
-from pled.daemon import numa
+from pled.daemon.memory import numa
 fd = int(os.environ["FD"])
 size = os.fstat(fd).st_size
 with mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as m:

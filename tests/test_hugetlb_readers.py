@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from pled.daemon import hugetlb, numa
-from pled.daemon.hostmem import UNLIMITED
+from pled.daemon.memory import hugetlb, numa
+from pled.daemon.memory.hostmem import UNLIMITED
 
 MiB2, GiB1 = 2 * 1024**2, 1024**3
 V1_MOUNT = "44 31 0:40 / /sys/fs/cgroup/hugetlb rw,relatime shared:20 - cgroup cgroup rw,hugetlb\n"

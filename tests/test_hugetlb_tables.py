@@ -18,7 +18,7 @@ from hugepool import (
     reserve,
 )
 from pled import client
-from pled.daemon import hugetlb, numa
+from pled.daemon.memory import hugetlb, numa
 from pled.generator import make_sidecar
 from pled.shared.sizes import gib
 

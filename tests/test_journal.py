@@ -26,7 +26,7 @@ import pytest
 from forked import as_user
 from harness import JournalSocket, clean_env, start, wait_until, write_config
 from pled import client
-from pled.daemon import journal, logs
+from pled.daemon.health import journal, logs
 from pled.shared import protocol
 from pled.shared.errors import PledError, SidecarError
 

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from parsers import CORPUS, JSON_WORST, PARSERS, corpus
-from pled.daemon import sidecar
+from pled.daemon.sources import sidecar
 from pled.shared import boundary, protocol
 
 DOUBLING_BUDGET = 2.5  # time(2n) / time(n) on a worst input: 2 is linear, 4 quadratic

@@ -14,8 +14,8 @@ import pytest
 
 from attack import raw
 from harness import run_pled, start
-from pled.daemon.safetensors_file import MAX_HEADER
-from pled.daemon.sidecar import MAX_META
+from pled.daemon.sources.safetensors_file import MAX_HEADER
+from pled.daemon.sources.sidecar import MAX_META
 from pled.shared import protocol
 
 pytestmark = pytest.mark.daemon

@@ -30,7 +30,7 @@ from forked import as_user
 from harness import run_pled, wait_until, write_config
 from pled import client
 from pled.daemon import config
-from pled.daemon.metrics_file import write_atomically
+from pled.daemon.health.metrics_file import write_atomically
 from pled.generator import make_sidecar
 from pled.shared import metrics, protocol
 from pled.shared.errors import ConfigError
@@ -489,7 +489,7 @@ def test_a_stop_writes_the_last_figures(tmp_path, daemon, sidecar):
     assert value(m, "pled_reloads_total", result="failed") == 1 and value(m, "pled_reloading") == 0, m
 
 
-HANG = ("import threading, pled.daemon.metrics_file as m\n"
+HANG = ("import threading, pled.daemon.health.metrics_file as m\n"
         "m.write_atomically = lambda path, data: threading.Event().wait()")
 
 

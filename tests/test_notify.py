@@ -8,7 +8,7 @@ import uuid
 import pytest
 
 from harness import Daemon, NotifySocket, write_config
-from pled.daemon import notify
+from pled.daemon.systemd import notify
 from pled.shared import region
 
 
@@ -51,7 +51,7 @@ def test_failures_are_logged_once_and_never_raised(caplog, tmp_path):
     n = notify.Notifier({"NOTIFY_SOCKET": str(tmp_path / "nobody-listens.sock")})
     assert n.enabled
     r, w = os.pipe()
-    with caplog.at_level(logging.INFO, logger="pled.daemon.notify"):
+    with caplog.at_level(logging.INFO, logger="pled.daemon.systemd.notify"):
         assert not n.send("STATUS=one")
         assert not n.send("STATUS=two")
         assert not n.store_fd(r, "pled.1.t")
@@ -60,7 +60,7 @@ def test_failures_are_logged_once_and_never_raised(caplog, tmp_path):
     assert len(warnings) == 1 and "nobody-listens.sock" in warnings[0].getMessage()
     # Once the socket is there, messages go through and the recovery is noted.
     listener = NotifySocket(tmp_path / "nobody-listens.sock")
-    with caplog.at_level(logging.INFO, logger="pled.daemon.notify"):
+    with caplog.at_level(logging.INFO, logger="pled.daemon.systemd.notify"):
         assert n.send("STATUS=three")
         listener.wait_for("STATUS=three")
     assert "reachable again" in caplog.text

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from harness import LAYOUTS, run_pled
-from pled.daemon.safetensors_file import read_header
+from pled.daemon.sources.safetensors_file import read_header
 from pled.generator import make_sidecar
 from pled.shared import dequant
 from pled.shared.layouts import PUBLISHED_ROWS_PER_SHARD, PUBLISHED_WIDTH

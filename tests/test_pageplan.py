@@ -1,13 +1,16 @@
-"""Which pages each table gets (pled/daemon/pageplan.py) and how the preflight counts reserved huge pages
-(pled/daemon/preflight.py), over fixture trees of /sys and /proc: no root, no pool. tests/test_hugetlb_tables.py
+"""Which pages each table gets (pled/daemon/memory/pageplan.py) and how the preflight counts reserved huge pages
+(pled/daemon/memory/preflight.py), over fixture trees of /sys and /proc: no root, no pool. tests/test_hugetlb_tables.py
 does the same against the real kernel with a real pled."""
+import dataclasses
 import os
 
 import pytest
 
 from fakehost import Host
-from pled.daemon import config, hugetlb, numa, pageplan, preflight, regionfd
-from pled.daemon.hostmem import UNLIMITED
+from pled.daemon import config
+from pled.daemon.memory import hugetlb, numa, pageplan, preflight
+from pled.daemon.memory.hostmem import UNLIMITED
+from pled.daemon.regions import regionfd
 from pled.shared.errors import ConfigError
 
 MiB, MiB2, GiB = 1024**2, 2 * 1024**2, 1024**3
@@ -154,14 +157,15 @@ def test_the_preflight_counts_hugetlb_tables_against_their_pool_not_memory(tmp_p
 
 
 def test_a_plan_rounded_to_whole_pages_changes_only_its_size(sidecar):
-    from pled.daemon.sidecar import open_table
+    from pled.daemon.sources.sidecar import open_table
     from pled.shared import region
 
     m = region.plan("t", open_table(str(sidecar(shards=2, rows=500))))
     assert m.paged(4096) == m and m.paged(MiB2) == m and m.region_bytes % MiB2 == 0
     big = m.paged(GiB)
     assert big.region_bytes == GiB and big.identity() != m.identity()
-    assert big == type(m)(**{**m.__dict__, "region_bytes": GiB})
+    fields = {f.name: getattr(m, f.name) for f in dataclasses.fields(m)}  # the record's fields (not what it caches)
+    assert big == type(m)(**{**fields, "region_bytes": GiB})
     assert len(region.encode_header(big)) <= big.data_offset  # the header still fits before the data
     assert region.Manifest.from_json(big.to_json()) == big
 
@@ -201,8 +205,8 @@ def test_a_pool_that_ran_short_since_planning_fails_hugetlb_and_falls_back_for_p
     """Another program took the pages between the plan and the staging: "hugetlb" fails naming the pool, "prefer-
     hugetlb" is staged on shared memory as "auto" would be, the whole region allocated (a plan rounded up to a
     huge page (here 64 MiB) included: residency is then 100%, as on huge pages), and says why."""
-    from pled.daemon import staging
-    from pled.daemon.sidecar import open_table
+    from pled.daemon.regions import staging
+    from pled.daemon.sources.sidecar import open_table
     from pled.shared import region
     from pled.shared.errors import StagingError
     from pled.shared.pagecache import cached_bytes_fd

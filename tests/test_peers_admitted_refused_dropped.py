@@ -25,7 +25,7 @@ import harness
 from harness import run_pled, unused_gid, wait_until, write_config
 from pled import client
 from pled.client.library import attach
-from pled.daemon.session import CALL_TIMEOUT
+from pled.daemon.serving.session import CALL_TIMEOUT
 from pled.shared import protocol
 
 pytestmark = [pytest.mark.root, pytest.mark.daemon]
@@ -340,7 +340,7 @@ def test_a_reload_that_narrows_access_refuses_the_next_connect_and_widening_admi
 # -- replies left unread: dropped by their size, before the call timeout --------------------------------------------
 
 UNREAD_BOUND = 8 * 1024  # pled's per-uid bound on unread replies, scaled down for this test (see below)
-SCALE_DOWN = ("import pled.daemon.session as session\n"
+SCALE_DOWN = ("import pled.daemon.serving.session as session\n"
               "assert hasattr(session, 'MAX_UNREAD_PER_UID')  # else this patch would change nothing\n"
               f"session.MAX_UNREAD_PER_UID = {UNREAD_BOUND}\n")
 MISSPELT = protocol.call(protocol.ATTACH, table="a-table-pled-does-not-serve-" + "x" * 170)  # NoSuchTable each

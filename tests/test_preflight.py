@@ -2,7 +2,7 @@
 import pytest
 
 from fakehost import KB, V1_MOUNT, GiB, Host
-from pled.daemon import hostmem
+from pled.daemon.memory import hostmem
 from pled.shared.errors import PreflightRefused
 
 

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from harness import LAYOUTS, run_pled, write_config
-from pled.daemon.sidecar import open_table
-from pled.daemon.sidecar_meta import META_LAYOUT, PUBLISHED_LAYOUT, layout_family
+from pled.daemon.sources.sidecar import open_table
+from pled.daemon.sources.sidecar_meta import META_LAYOUT, PUBLISHED_LAYOUT, layout_family
 from pled.shared.errors import SidecarError
 
 # The published strings. fp8's exact string is unknown (any with e4m3 and without e2m1 is fp8): its entry here is a

@@ -22,7 +22,7 @@ from safetensors._safetensors_rust import safe_open as REAL
 
 import harness
 from pled.client import held_files, mapped_table, safe_open_seam
-from pled.daemon.safetensors_file import read_header, write
+from pled.daemon.sources.safetensors_file import read_header, write
 from pled.shared.region import DTYPE_BITS
 
 pytestmark = [pytest.mark.daemon,  # one `pled serve` for the module (pled_files)

@@ -17,7 +17,7 @@ import torch
 from forked import become
 from harness import run_pled, wait_until
 from pled import client
-from pled.daemon import server
+from pled.daemon.serving import server
 from pled.shared import protocol
 
 MiB = 1024**2

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from harness import LAYOUTS
-from pled.daemon import safetensors_file
-from pled.daemon.sidecar import open_table
+from pled.daemon.sources import safetensors_file
+from pled.daemon.sources.sidecar import open_table
 from pled.shared import region
 from pled.shared.errors import EX_CONFIG, SidecarError
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from harness import LAYOUTS
-from pled.daemon import staging
-from pled.daemon.sidecar import open_table
+from pled.daemon.regions import staging
+from pled.daemon.sources.sidecar import open_table
 from pled.shared import dequant, hugepages, region
 from pled.shared.errors import RegionError, StagingError
 from pled.shared.pagecache import PAGE, cached_bytes

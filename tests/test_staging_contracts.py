@@ -7,8 +7,8 @@ import os
 import pytest
 
 from pled import client
-from pled.daemon import staging
-from pled.daemon.sidecar import open_table
+from pled.daemon.regions import staging
+from pled.daemon.sources.sidecar import open_table
 from pled.shared import region
 from pled.shared.errors import SidecarError
 from pled.shared.hugepages import PMD_SIZE

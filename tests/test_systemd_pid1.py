@@ -39,7 +39,7 @@ from pathlib import Path
 import pytest
 
 from harness import write_config
-from pled.daemon.journal import MESSAGE_IDS
+from pled.daemon.health.journal import MESSAGE_IDS
 from pled.generator import make_sidecar
 
 pytestmark = [pytest.mark.skipif(os.environ.get("PLED_TEST_SYSTEMD") != "1",

@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 from harness import LAYOUTS
 from pled import client
-from pled.daemon.safetensors_file import read_header
+from pled.daemon.sources.safetensors_file import read_header
 from pled.generator import make_sidecar
 from pled.shared import dequant
 from pled.shared.layouts import LAYOUTS as SPECS

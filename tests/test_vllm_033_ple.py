@@ -161,7 +161,7 @@ def test_refusals_name_the_tensor_or_the_device_and_the_fallback_warns_once(serv
 
 
 def flip_one_byte(path: Path, name: str) -> None:
-    from pled.daemon.safetensors_file import read_header
+    from pled.daemon.sources.safetensors_file import read_header
 
     t = next(t for t in read_header(str(path)).tensors if t.name == name)
     with open(path, "r+b") as f:

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from pled.client import vllm_plugin
-from pled.daemon.safetensors_file import write
+from pled.daemon.sources.safetensors_file import write
 from pled.shared.pagecache import cached_bytes
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -91,7 +91,7 @@ class TableConfig(BaseModel):
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
     # One of the two: ``path``, whole files (a sidecar directory or a glob), or ``checkpoint``, a model checkpoint
-    # whose PLE tables are assembled into arrays for vLLM 0.33's own PLE path (pled.daemon.checkpoint).
+    # whose PLE tables are assembled into arrays for vLLM 0.33's own PLE path (pled.daemon.sources.checkpoint).
     path: str | None = Field(default=None, min_length=1, max_length=4096)
     checkpoint: str | None = Field(default=None, min_length=1, max_length=4096)
     # Each one, where given, overrides the global key of the same name for this table (pageplan.py).

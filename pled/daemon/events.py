@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from pled.daemon.planning import ReloadPlan
+from pled.daemon.regions.planning import ReloadPlan
 from pled.daemon.tables import TableState
 from pled.shared.region import Region
 

@@ -11,15 +11,18 @@ import logging
 import os
 from collections.abc import Callable, Collection
 
-from pled.daemon import fdlimit, hostmem, journal, tables
-from pled.daemon.counters import Counters
-from pled.daemon.fdstore import FdStore
+from pled.daemon import tables
+from pled.daemon.health import journal
+from pled.daemon.health.counters import Counters
+from pled.daemon.health.throttle import Budget
+from pled.daemon.memory import hostmem
 from pled.daemon.registry import Registry
 from pled.daemon.reload import Reloader
-from pled.daemon.server import PENDING
-from pled.daemon.session import Reply, Session
+from pled.daemon.serving import fdlimit
+from pled.daemon.serving.server import PENDING
+from pled.daemon.serving.session import Reply, Session
+from pled.daemon.systemd.fdstore import FdStore
 from pled.daemon.tables import State, TableState
-from pled.daemon.throttle import Budget
 from pled.shared import protocol
 from pled.shared.boundary import clip
 

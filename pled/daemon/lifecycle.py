@@ -38,19 +38,23 @@ import time
 from functools import partial
 
 from pled import __version__
-from pled.daemon import fdlimit, fdstore, handlers, hostmem, journal, notify, startup, tables as tables_mod
-from pled.daemon.access import Policy
+from pled.daemon import handlers, startup, tables as tables_mod
 from pled.daemon.config import Config
-from pled.daemon.counters import Counters
 from pled.daemon.events import Event, Planned, PlanningFailed
 from pled.daemon.handlers import Handlers
-from pled.daemon.loop import Loop, drain
-from pled.daemon.metrics_file import MetricsFile
+from pled.daemon.health import journal
+from pled.daemon.health.counters import Counters
+from pled.daemon.health.metrics_file import MetricsFile
+from pled.daemon.memory import hostmem
 from pled.daemon.registry import Registry
 from pled.daemon.reload import Reloader
-from pled.daemon.server import Server
-from pled.daemon.session import Reply, Session
+from pled.daemon.serving import fdlimit
+from pled.daemon.serving.access import Policy
+from pled.daemon.serving.loop import Loop, drain
+from pled.daemon.serving.server import Server
+from pled.daemon.serving.session import Reply, Session
 from pled.daemon.stager import Stager
+from pled.daemon.systemd import fdstore, notify
 from pled.daemon.tables import State
 from pled.shared.sizes import gib
 

@@ -23,13 +23,15 @@ import logging
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
-from pled.daemon import journal, pageplan, staging
-from pled.daemon.checkpoint import Source
 from pled.daemon.config import Config
 from pled.daemon.events import Staged, StagingCancelled, StagingEnded, StagingFailed
-from pled.daemon.fdstore import Adopted, FdStore
-from pled.daemon.pageplan import PagePlan
-from pled.daemon.planning import ReloadPlan
+from pled.daemon.health import journal
+from pled.daemon.memory import pageplan
+from pled.daemon.memory.pageplan import PagePlan
+from pled.daemon.regions import staging
+from pled.daemon.regions.planning import ReloadPlan
+from pled.daemon.sources.checkpoint import Source
+from pled.daemon.systemd.fdstore import Adopted, FdStore
 from pled.daemon.tables import CopyProgress, State, TableState
 from pled.shared.region import Manifest, Region
 from pled.shared.sizes import gib

@@ -22,16 +22,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pled.daemon import journal, planning
 from pled.daemon.config import Config
-from pled.daemon.counters import Counters
 from pled.daemon.events import Planned, PlanningFailed
-from pled.daemon.notify import Notifier
-from pled.daemon.planning import ReloadPlan
+from pled.daemon.health import journal
+from pled.daemon.health.counters import Counters
+from pled.daemon.regions import planning
+from pled.daemon.regions.planning import ReloadPlan
 from pled.daemon.registry import Registry
-from pled.daemon.server import PENDING
-from pled.daemon.session import Reply, Session
+from pled.daemon.serving.server import PENDING
+from pled.daemon.serving.session import Reply, Session
 from pled.daemon.stager import Stager
+from pled.daemon.systemd.notify import Notifier
 from pled.daemon.tables import State, TableState
 from pled.shared import protocol
 from pled.shared.boundary import clip

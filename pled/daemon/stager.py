@@ -17,9 +17,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from pled.daemon import events, journal, staging
+from pled.daemon import events
 from pled.daemon.config import Config
-from pled.daemon.loop import drain
+from pled.daemon.health import journal
+from pled.daemon.regions import staging
+from pled.daemon.serving.loop import drain
 from pled.daemon.tables import TableState
 from pled.shared.errors import PledError
 from pled.shared.sizes import gib, rate

@@ -17,13 +17,16 @@ import logging
 import threading
 from collections.abc import Callable
 
-from pled.daemon import fdstore, journal, pageplan, planning
 from pled.daemon.config import Config
-from pled.daemon.fdstore import FdStore, StoredFd
 from pled.daemon.handlers import Handlers
-from pled.daemon.notify import Notifier
-from pled.daemon.pageplan import PagePlan
+from pled.daemon.health import journal
+from pled.daemon.memory import pageplan
+from pled.daemon.memory.pageplan import PagePlan
+from pled.daemon.regions import planning
 from pled.daemon.registry import Registry
+from pled.daemon.systemd import fdstore
+from pled.daemon.systemd.fdstore import FdStore, StoredFd
+from pled.daemon.systemd.notify import Notifier
 from pled.daemon.tables import TableState
 from pled.shared.errors import EX_CONFIG, PledError
 from pled.shared.region import Manifest

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from pled import __version__
-from pled.daemon import pageplan
-from pled.daemon.checkpoint import Source
-from pled.daemon.pageplan import PagePlan
+from pled.daemon.memory import pageplan
+from pled.daemon.memory.pageplan import PagePlan
+from pled.daemon.sources.checkpoint import Source
 from pled.shared import protocol, region
 from pled.shared.boundary import clip
 from pled.shared.pagecache import cached_bytes_fd

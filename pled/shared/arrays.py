@@ -150,8 +150,8 @@ def check(m) -> None:
 
 
 def place(source, data_offset: int, make_tensor, placeholder: str) -> tuple[list, tuple[ArrayEntry, ...], int]:
-    """Where each array of ``source`` (pled.daemon.checkpoint.Checkpoint) sits from ``data_offset`` on: the tensors
-    (made by ``make_tensor(name, file, dtype, shape, offset, nbytes)``), the arrays (each source's digest
+    """Where each array of ``source`` (pled.daemon.sources.checkpoint.Checkpoint) sits from ``data_offset`` on: the
+    tensors (made by ``make_tensor(name, file, dtype, shape, offset, nbytes)``), the arrays (each source's digest
     ``placeholder``), and where the last one ends, rounded up to a 2 MiB boundary (the region's size)."""
     tensors: list = []
     entries = []

@@ -19,7 +19,7 @@ number is converted before its digits are counted, nothing recurses on what a pe
   few thousand objects or entries and raise ``OutOfTime`` once the deadline has passed.
 - ``printable`` escapes every character a terminal or a log viewer would act on; ``clip`` also shortens
   what a peer or file said before it goes into a log line or an error. The log formatter
-  (pled.daemon.logs), systemd's STATUS= and ``pled status`` pass everything through ``printable``.
+  (pled.daemon.health.logs), systemd's STATUS= and ``pled status`` pass everything through ``printable``.
 
 Every refusal is a ``BoundaryError`` (a ``ValueError``), which the caller turns into its own error type
 naming the object: ``SidecarError`` for a shard, ``ConfigError`` for the config, an InvalidMessage reply for

@@ -56,7 +56,7 @@ class Region:
     def __init__(self, fd: int, manifest, stats=None) -> None:  # manifest: pled.shared.region.Manifest
         self._fd = fd
         self.manifest = manifest
-        self.stats = stats  # pled.daemon.staging.StageStats where this process staged it; None where it was adopted
+        self.stats = stats  # pled.daemon.regions.staging.StageStats where this process staged it; None if adopted
 
     @property
     def fd(self) -> int:

@@ -240,8 +240,8 @@ def _check_geometry(m: Manifest) -> None:
 
 
 def plan(table: str, source) -> Manifest:
-    """Where each shard and tensor of a pled.daemon.sidecar.Sidecar (or each array of a
-    pled.daemon.checkpoint.Checkpoint) will sit; the region's exact size."""
+    """Where each shard and tensor of a pled.daemon.sources.sidecar.Sidecar (or each array of a
+    pled.daemon.sources.checkpoint.Checkpoint) will sit; the region's exact size."""
     arrays = source.arrays
     identity: list = [source.layout, [(s.size, s.header.fingerprint) for s in source.shards]]
     if arrays:

@@ -23,7 +23,7 @@ import stat
 import sys
 from collections.abc import Mapping
 
-from pled.daemon import journal
+from pled.daemon.health import journal
 from pled.shared.boundary import printable
 
 

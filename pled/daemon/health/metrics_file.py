@@ -30,8 +30,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from pled.daemon.counters import Counters
-from pled.daemon.throttle import Throttle
+from pled.daemon.health.counters import Counters
+from pled.daemon.health.throttle import Throttle
 from pled.shared import metrics
 from pled.shared.errors import PledError
 

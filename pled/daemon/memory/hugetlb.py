@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass
 
 # The cgroup plumbing is hostmem's: the mounts, and where our cgroup lies under one.
-from pled.daemon.hostmem import UNLIMITED, HostInfoUnavailable, _int, _join, locate_cgroup
+from pled.daemon.memory.hostmem import UNLIMITED, HostInfoUnavailable, _int, _join, locate_cgroup
 
 HUGEPAGES = "/sys/kernel/mm/hugepages"
 # linux/memfd.h: MFD_HUGETLB takes the page size's log2 in these bits (MFD_HUGE_2MB is 21 << 26).

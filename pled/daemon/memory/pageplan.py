@@ -22,9 +22,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 
-from pled.daemon import hugetlb, numa
 from pled.daemon.config import Config, page_size_bytes
-from pled.daemon.hostmem import HostInfoUnavailable
+from pled.daemon.memory import hugetlb, numa
+from pled.daemon.memory.hostmem import HostInfoUnavailable
 from pled.shared import pagecache
 from pled.shared.errors import ConfigError
 from pled.shared.hugepages import PMD_SIZE

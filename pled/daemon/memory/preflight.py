@@ -27,8 +27,8 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any, Final
 
-from pled.daemon import hostmem, hugetlb
-from pled.daemon.pageplan import human
+from pled.daemon.memory import hostmem, hugetlb
+from pled.daemon.memory.pageplan import human
 from pled.shared.errors import PreflightRefused
 from pled.shared.sizes import gib
 

@@ -13,11 +13,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from pled.daemon import config as config_mod, journal, pageplan, preflight
-from pled.daemon.checkpoint import Source, open_checkpoint
+from pled.daemon import config as config_mod
 from pled.daemon.config import Config
-from pled.daemon.pageplan import PagePlan
-from pled.daemon.sidecar import open_table
+from pled.daemon.health import journal
+from pled.daemon.memory import pageplan, preflight
+from pled.daemon.memory.pageplan import PagePlan
+from pled.daemon.sources.checkpoint import Source, open_checkpoint
+from pled.daemon.sources.sidecar import open_table
 from pled.shared import region
 from pled.shared.boundary import clip
 from pled.shared.errors import ConfigError, PledError, SidecarError

@@ -21,8 +21,8 @@ import mmap
 import os
 from dataclasses import replace
 
-from pled.daemon import hugetlb, numa
-from pled.daemon.pageplan import PagePlan
+from pled.daemon.memory import hugetlb, numa
+from pled.daemon.memory.pageplan import PagePlan
 from pled.shared.errors import StagingError
 from pled.shared.pagecache import mapping_address
 

@@ -21,11 +21,11 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from pled.daemon import regionfd
-from pled.daemon.checkpoint import Source
-from pled.daemon.pacer import CHUNK, Pacer
-from pled.daemon.pageplan import PagePlan, human
-from pled.daemon.sidecar import Shard
+from pled.daemon.memory.pageplan import PagePlan, human
+from pled.daemon.regions import regionfd
+from pled.daemon.regions.pacer import CHUNK, Pacer
+from pled.daemon.sources.checkpoint import Source
+from pled.daemon.sources.sidecar import Shard
 from pled.shared import hugepages, region
 from pled.shared.boundary import BoundaryError, open_regular
 from pled.shared.digests import OWN, new_hasher

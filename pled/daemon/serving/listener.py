@@ -13,7 +13,7 @@ import os
 import socket
 import stat
 
-from pled.daemon.access import peer_of
+from pled.daemon.serving.access import peer_of
 from pled.shared.errors import EX_CONFIG, PledError
 
 log = logging.getLogger(__name__)

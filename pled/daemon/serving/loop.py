@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from pled.daemon.throttle import Throttle
+from pled.daemon.health.throttle import Throttle
 from pled.shared.boundary import clip
 
 log = logging.getLogger(__name__)

@@ -20,13 +20,14 @@ import stat
 import time
 from collections.abc import Callable
 
-from pled.daemon import fdlimit, journal, session
-from pled.daemon.access import Policy, peer_of
-from pled.daemon.counters import Counters
-from pled.daemon.listener import bind
-from pled.daemon.loop import READ, WRITE, Loop
-from pled.daemon.session import CALL_TIMEOUT, Outgoing, Reply, Session
-from pled.daemon.throttle import Budget, Throttle
+from pled.daemon.health import journal
+from pled.daemon.health.counters import Counters
+from pled.daemon.health.throttle import Budget, Throttle
+from pled.daemon.serving import fdlimit, session
+from pled.daemon.serving.access import Policy, peer_of
+from pled.daemon.serving.listener import bind
+from pled.daemon.serving.loop import READ, WRITE, Loop
+from pled.daemon.serving.session import CALL_TIMEOUT, Outgoing, Reply, Session
 from pled.shared import protocol
 from pled.shared.boundary import clip
 

@@ -27,9 +27,9 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from pled.daemon.access import Peer
-from pled.daemon.fdlimit import FdBudget
-from pled.daemon.throttle import Throttle
+from pled.daemon.health.throttle import Throttle
+from pled.daemon.serving.access import Peer
+from pled.daemon.serving.fdlimit import FdBudget
 from pled.shared import protocol
 from pled.shared.region import Region
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from pled.daemon.safetensors_file import SafetensorsHeader, TensorInfo, read_header
-from pled.daemon.sidecar import Shard, Sidecar, find_files, natural_key
+from pled.daemon.sources.safetensors_file import SafetensorsHeader, TensorInfo, read_header
+from pled.daemon.sources.sidecar import Shard, Sidecar, find_files, natural_key
 from pled.shared import arrays
 from pled.shared.arrays import LAYOUT as ARRAYS_LAYOUT
 from pled.shared.boundary import BoundaryError, clip, load_json, read_bounded

@@ -12,8 +12,8 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from pled.daemon import sidecar_meta
-from pled.daemon.safetensors_file import SafetensorsHeader, read_header
+from pled.daemon.sources import sidecar_meta
+from pled.daemon.sources.safetensors_file import SafetensorsHeader, read_header
 from pled.shared import layouts
 from pled.shared.boundary import BoundaryError, clip, load_json, read_bounded
 from pled.shared.digests import HEX_LENGTH
@@ -54,7 +54,7 @@ class Sidecar:
     meta: dict = field(default_factory=dict)
     # File name -> (algorithm, hex, where it was written), if the sidecar ships digests.
     expected_digests: dict = field(default_factory=dict)
-    arrays: tuple = ()  # a sidecar's files are staged whole (a checkpoint's PLE tables: pled.daemon.checkpoint)
+    arrays: tuple = ()  # a sidecar's files are staged whole (a checkpoint's PLE tables: pled.daemon.sources.checkpoint)
 
     @property
     def nbytes(self) -> int:

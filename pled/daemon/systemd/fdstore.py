@@ -24,8 +24,8 @@ import os
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 
-from pled.daemon import pageplan
-from pled.daemon.notify import Notifier
+from pled.daemon.memory import pageplan
+from pled.daemon.systemd.notify import Notifier
 from pled.shared import region
 from pled.shared.errors import RegionError
 from pled.shared.region import Manifest, Region
