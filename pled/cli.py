@@ -29,40 +29,9 @@ def _load_config(path: str | None):
 
 
 def _inspect(args) -> int:
-    from pled.daemon.sources import checkpoint
-    from pled.daemon.sources.sidecar import open_table
-    from pled.shared import region
-    from pled.shared.sizes import gib
+    from pled.describe import inspect
 
-    if checkpoint.looks_like_checkpoint(args.path) or args.checkpoint:
-        return _inspect_checkpoint(checkpoint.open_checkpoint(args.path), args.json)
-    sidecar = open_table(args.path)
-    if any(checkpoint.is_ple(t.name) for s in sidecar.shards for t in s.header.tensors):  # a checkpoint's files
-        return _inspect_checkpoint(checkpoint.open_checkpoint(args.path), args.json)
-    manifest = region.plan("inspect", sidecar)
-    if args.json:
-        print(json.dumps({**sidecar.describe(), "region_bytes": manifest.region_bytes}, indent=2))
-        return 0
-    shards = sidecar.shards
-    say(sidecar.source)
-    say(f"  layout     {sidecar.layout}")
-    say(f"  shards     {len(shards)} ({shards[0].name} .. {shards[-1].name})")
-    if sidecar.rows:
-        per = sorted({s.rows for s in shards})
-        say(f"  rows       {sidecar.rows} ({'/'.join(map(str, per))} per shard)")
-        say(f"  row width  {sidecar.row_width}")
-    say(f"  bytes      {sidecar.nbytes} ({gib(sidecar.nbytes)}); "
-        f"region {manifest.region_bytes} ({gib(manifest.region_bytes)}) with alignment")
-    if sidecar.meta:
-        from pled.daemon.sources.sidecar_meta import COUNT_KEYS, other_keys
-
-        said = [f"{k} = {json.dumps(sidecar.meta[k])}" for k in ("layout", *COUNT_KEYS) if k in sidecar.meta]
-        say(f"  META.json  {', '.join(said) or 'no identity keys'} (checked against the shards)")
-        for key, value in other_keys(sidecar.meta).items():
-            say(f"    {key} = {json.dumps(value)}")
-        if "digests" in sidecar.meta:
-            say(f"    digests for {len(sidecar.meta['digests'])} shard(s)")
-    return 0
+    return inspect(args.path, args.json, args.checkpoint)
 
 
 def _preflight(args) -> int:
@@ -97,25 +66,6 @@ def _call(args, method: str, command: str) -> tuple[dict | None, int]:
         return None, EX_NOT_RUNNING if isinstance(err, client.DaemonUnavailable) else 1
 
 
-def _inspect_checkpoint(ck, as_json: bool) -> int:
-    """What ``pled inspect`` says of a model checkpoint: the PLE tables a ``checkpoint`` table would stage."""
-    from pled.shared import region
-    from pled.shared.sizes import gib
-
-    manifest = region.plan("inspect", ck)
-    if as_json:
-        print(json.dumps({**ck.describe(), "region_bytes": manifest.region_bytes}, indent=2))
-        return 0
-    say(ck.source)
-    say(f"  form       PLE tables as arrays, for vLLM 0.33's own PLE path ({len(ck.shards)} file(s) hold them)")
-    for a in ck.arrays:
-        split = f"{a.parts} shards" if a.parts else "unsharded"
-        say(f"  {a.prefix}.{a.param}: {a.dtype} {a.rows} x {a.width}, {split}, {gib(a.nbytes)}")
-    say(f"  bytes      {ck.nbytes} ({gib(ck.nbytes)}); region {manifest.region_bytes} ({gib(manifest.region_bytes)}) "
-        "with alignment")
-    return 0
-
-
 def _status(args) -> int:
     from pled.shared import protocol
 
@@ -124,10 +74,20 @@ def _status(args) -> int:
         return failed
     try:
         return _show_status(args, st)
-    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:  # a reply that is not pled's Status
-        say(f"pled status: the Status reply from {_socket_for(args)} is not one this pled can read "
-            f"({type(err).__name__}: {str(err)[:120]}); is a pled of this version serving there?", file=sys.stderr)
-        return 1
+    except UNREADABLE as err:  # a reply that is not pled's Status
+        return _unreadable("status", "Status", args, err)
+
+
+# What reading a reply of another shape than pled's raises: a command says so in one line, never a traceback.
+UNREADABLE = (KeyError, TypeError, ValueError, AttributeError, IndexError, ArithmeticError)
+
+
+def _unreadable(command: str, what: str, args, err: BaseException) -> int:
+    from pled.shared.boundary import clip
+
+    say(f"pled {command}: the {what} reply from {_socket_for(args)} is not one this pled can read "
+        f"({type(err).__name__}: {clip(err, 120)}); is a pled of this version serving there?", file=sys.stderr)
+    return 1
 
 
 def _show_status(args, st: dict) -> int:
@@ -200,6 +160,13 @@ def _reload(args) -> int:
     result, failed = _call(args, protocol.RELOAD, "reload")
     if result is None:
         return failed
+    try:
+        return _show_reload(result)
+    except UNREADABLE as err:
+        return _unreadable("reload", "Reload", args, err)
+
+
+def _show_reload(result: dict) -> int:
     gens = result.get("generations", {})
     for key in ("changed", "added", "removed", "unchanged"):
         names = result.get(key) or []

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from dataclasses import replace
@@ -26,7 +27,7 @@ from fakeserver import FakeServer
 from pled.client import connection, held_files, mapped_table
 from pled.client.connection import ClientError, DaemonUnavailable, ProtocolError
 from pled.client.library import attach
-from pled.shared import region
+from pled.shared import protocol, region
 from pled.shared.region import _PREFIX, ALIGN, MAGIC, Manifest, ShardEntry, TensorEntry
 
 FINGERPRINT = "f" * 64
@@ -341,8 +342,14 @@ def test_a_manifest_with_negative_dimensions_is_refused(tmp_path, no_fd_leak):
     refused(tmp_path, memfd(region.encode_header(m)), match="shape that has a negative extent")
 
 
+ZERO_SIZED = {"table": "t", "state": "ready", "resident_share": 1.0, "huge_page_bytes": 0, "region_bytes": 0,
+              "shards_done": 1, "shards": 1, "bytes": 0, "generation": 1, "fingerprint": "f" * 12}
+STATUS_HEAD = {"version": "x", "pid": 1, "uptime_seconds": 1, "socket": "s", "clients": []}
+
+
 @pytest.mark.parametrize("fmt", ["text", "json", "prometheus"])
-@pytest.mark.parametrize("status", [{"tables": 5}, {"tables": [{"table": "t"}]}, {"tables": [], "uptime_seconds": []}])
+@pytest.mark.parametrize("status", [{"tables": 5}, {"tables": [{"table": "t"}]}, {"tables": [], "uptime_seconds": []},
+                                    {**STATUS_HEAD, "tables": [ZERO_SIZED]}])
 def test_pled_status_says_in_one_line_that_a_status_reply_is_not_pleds(tmp_path, fmt, status):
     """The status renderers (text, Prometheus) against a server whose Status reply is JSON of another shape: one
     line naming the socket, exit 1, no traceback."""
@@ -355,6 +362,78 @@ def test_pled_status_says_in_one_line_that_a_status_reply_is_not_pleds(tmp_path,
     if r.returncode != 0:  # json prints any object it was given
         assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert server.path in r.stderr and "not one this pled can read" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("command, reply", [("reload", {"changed": 5}), ("verify", {"tables": [5]})])
+def test_pled_reload_and_verify_say_in_one_line_that_a_reply_is_not_pleds(tmp_path, command, reply):
+    """A second attack's finding: `pled reload` on a Reload reply of another shape, `pled verify` on such a Status,
+    ended in a traceback (TypeError)."""
+    from harness import run_pled
+
+    server = FakeServer(str(tmp_path / "pled.sock"), json.dumps({"parameters": reply}).encode())
+    r = run_pled(command, "--socket", server.path, timeout=60)
+    server.join()
+    assert "Traceback" not in r.stderr and r.returncode == 1, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and server.path in r.stderr, r.stderr
+
+
+def test_a_reply_with_more_fds_than_a_reply_carries_is_refused_and_they_are_closed(tmp_path, no_fd_leak):
+    """A second attack's finding: a server that sends 4 fds with each of a hundred bytes of its reply: the client
+    kept them all (20,000 of them at one test's peak) and then answered as if nothing were wrong. It refuses the
+    reply at the second fd and closes every one it received."""
+    path = str(tmp_path / "pled.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    pipes = [os.pipe() for _ in range(2)]
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            try:
+                for _ in range(100):
+                    socket.send_fds(conn, [b" "], [fd for pair in pipes for fd in pair])
+                conn.sendall(json.dumps({"parameters": {}}).encode() + b"\0")
+            except OSError:  # the client gave up on the reply: it is entitled to
+                pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    with pytest.raises(ProtocolError, match="sent [0-9]+ file descriptors with one reply; a reply carries at most 1"):
+        connection.call(protocol.PING, socket=path, timeout=10)
+    thread.join(10)
+    listener.close()
+    for pair in pipes:
+        for fd in pair:
+            os.close(fd)
+
+
+@pytest.mark.slow
+def test_an_arrays_manifest_of_half_a_million_sources_ends_attach_within_its_timeout(tmp_path):
+    """A second attack's finding: one array of 480,000 sources (and no tensors) made attach(timeout=0.2) take
+    0.96 s: the sources were all built before the first check, and the first look at the clock. The columns are
+    checked as they are read now (here the first source names no tensor), the deadline looked at as they go."""
+    n = 480_000
+    start = 16 * ALIGN  # past the manifest (about 9 MiB)
+    doc = json.loads(manifest().to_json())
+    doc |= {"layout": "ple-arrays", "rows": 0, "row_width": 0, "tensors": [], "region_bytes": start + ALIGN,
+            "shards": [{"index": 0, "path": "/s", "size": 1 << 30, "mtime_ns": 1, "dev": 2, "ino": 3,
+                        "fingerprint": "a" * 64, "offset": 0, "rows": 0}],
+            "arrays": [{"prefix": "p", "param": "weight", "dtype": "U8", "shape": [n, 1], "offset": start,
+                        "nbytes": n, "parts": n, "tensors": list(range(n)), "begins": [8] * n,
+                        "starts": list(range(n)), "digests": [""] * n}]}
+    raw = json.dumps(doc, separators=(",", ":")).encode()
+    data_offset = region.align(_PREFIX.size + len(raw))
+    doc["data_offset"] = data_offset
+    raw = json.dumps(doc, separators=(",", ":")).encode()
+    with pytest.raises(ValueError, match="a source tensor 0 that is not one of the manifest's tensors"):
+        Manifest.from_json(raw)
+    server = FakeServer(str(tmp_path / "pled.sock"), attach_reply(), [memfd(header(raw, data_offset), start + ALIGN)])
+    took, said = attach_in_child(server.path, 0.5, limit=10)
+    server.join()
+    assert took < 0.75, f"attach(timeout=0.5) took {took:.2f} s: {said[:200]}"
+    assert said.startswith(("BadRegion", "DaemonUnavailable")), said[:300]
 
 
 # -- the vLLM plugin's fallback ------------------------------------------------------------------------------

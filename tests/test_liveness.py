@@ -134,3 +134,53 @@ def test_pings_are_answered_within_a_second_while_a_reload_reads_a_hostile_file(
     named = str(bad / ("META.json" if "META" in case else "shard_1.safetensors"))
     assert words in r.stderr and named in r.stderr, r.stderr[-2000:]
     assert len(pinger.times) > 5 and pinger.slowest <= PING_BUDGET, f"slowest Ping {pinger.slowest:.2f} s"
+
+
+def _flood(path: str, call: bytes, stop: threading.Event) -> None:
+    """Send ``call`` packed as many times as fit in 64 KiB, one write at a time, reading the replies, until ``stop``."""
+    batch = call * (protocol.MAX_CALL // len(call))
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(path)
+        s.settimeout(30)
+        while not stop.is_set():
+            s.sendall(batch)
+            got = 0
+            while got < len(batch) // len(call):
+                data = s.recv(1 << 20)
+                if not data:
+                    return
+                got += data.count(b"\0")
+
+
+CALLS = {  # one write of a member's calls, each cheap, packed by the thousand; and calls of 64 KiB of DEL: (the call,
+    # how many connections send it)
+    "Status calls packed 2,000 to a write": (protocol.call(protocol.STATUS), 8),
+    "calls whose method is 65,000 DEL characters": (b'{"method":"' + b"\x7f" * 65_000 + b'"}\0', 32),
+}
+
+
+@pytest.mark.parametrize("case", list(CALLS))
+def test_pings_are_answered_within_a_second_while_members_flood_the_socket(tmp_path, sidecar, pleds, case):
+    """A second attack's findings: a member's 64 KiB write of 2,321 Status calls held the loop a second with one
+    table (7 s with eight: every call of a write was handled in one turn, each starting a check of the sources), and
+    calls naming a method of 65,000 DEL characters cost 18 ms each in escaping what they said (64 connections: Pings
+    of 3 s). Calls are handled one a turn of the loop, each connection in its turn; sources are checked at most every
+    half second; only what is quoted of a peer's text is escaped."""
+    tables = {f"t{i}": sidecar(shards=2, rows=64 + i) for i in range(8)}  # eight tables: eight sources to check
+    pled = start(tmp_path, tables)
+    pleds.append(pled)
+    stop = threading.Event()
+    call, connections = CALLS[case]
+    floods = [threading.Thread(target=_flood, args=(pled.socket, call, stop), daemon=True) for _ in range(connections)]
+    with Pinger(pled.socket) as pinger:
+        for f in floods:
+            f.start()
+        time.sleep(3)
+        alive = live(pled)
+        time.sleep(1)
+        stop.set()
+    for f in floods:
+        f.join(60)
+    print(f"{case}: {len(pinger.times)} Pings, slowest {pinger.slowest * 1000:.1f} ms; status --live exited {alive}")
+    assert alive == 0
+    assert len(pinger.times) > 10 and pinger.slowest <= PING_BUDGET, f"slowest Ping {pinger.slowest:.2f} s"

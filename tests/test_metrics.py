@@ -381,7 +381,7 @@ def test_a_reader_never_sees_half_a_file_over_fifty_rewrites(tmp_path, daemon, s
     thread = threading.Thread(target=reader)
     thread.start()
     try:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 120  # it ends at 50 versions: about 10 s here, longer on a busy machine
         while len(seen) < 50 and time.monotonic() < deadline and not bad:
             with client.attach("t", socket=pled.socket, populate=False):
                 time.sleep(0.06)
@@ -390,7 +390,7 @@ def test_a_reader_never_sees_half_a_file_over_fifty_rewrites(tmp_path, daemon, s
         stop.set()
         thread.join()
     assert not bad, bad
-    assert len(seen) >= 50, f"only {len(seen)} versions of the file in 20 s of clients attaching and leaving"
+    assert len(seen) >= 50, f"only {len(seen)} versions of the file in 120 s of clients attaching and leaving"
 
 
 def fill(path: Path) -> None:

@@ -161,3 +161,24 @@ def test_unknown_layout_shards_must_agree(tmp_path):
     for i, dtype in enumerate(["F16", "F16", "BF16"]):
         safetensors_file.write(str(tmp_path / f"shard_{i}.safetensors"), [("emb", dtype, (8, 4), bytes(64))])
     refused(tmp_path, "shard_2.safetensors", "'emb' is BF16", "F16")
+
+
+def test_a_name_that_claims_a_vast_shard_count_is_refused_at_once(tmp_path):
+    """A second attack's finding: model-00001-of-99999999999999.safetensors made pled list every number it claims
+    (40 bytes each: memory until the OOM killer, or a MemoryError with a traceback). Only the first few missing
+    numbers are looked for now."""
+    safetensors_file.write(str(tmp_path / "model-00001-of-99999999999999.safetensors"), [("a", "U8", (2,), b"xy")])
+    with pytest.raises(SidecarError, match=r"number 2, 3, 4, 5, 6 … missing of 1\.\.99999999999999"):
+        open_table(str(tmp_path))
+
+
+def test_names_of_long_or_unusual_digits_are_read_without_a_traceback(tmp_path):
+    """Names whose digits int() refuses (a run over its 4,300-digit limit, a superscript two) are names pled
+    sorts and reads like any other: a table, not a traceback."""
+    for name in ("x1\u00b22.safetensors", "y" + "7" * 5000 + ".safetensors"):
+        path = tmp_path / name
+        try:
+            safetensors_file.write(str(path), [("a", "U8", (2,), b"xy")])
+        except OSError:  # a name longer than this file system takes: nothing to read
+            continue
+    assert {s.name for s in open_table(str(tmp_path)).shards} == {p.name for p in tmp_path.iterdir()}

@@ -155,6 +155,9 @@ class Connection:
                 fds += new_fds
                 if flags & socket_mod.MSG_CTRUNC:  # the kernel dropped fds it could not deliver
                     raise ProtocolError(f"file descriptors from {self.path} were truncated (MSG_CTRUNC)")
+                if len(fds) > MAX_REPLY_FDS:  # a reply carries one region at the most: not a pile of this process's fds
+                    raise ProtocolError(f"pled at {self.path} sent {len(fds)} file descriptors with one reply; a reply "
+                                        f"carries at most {MAX_REPLY_FDS}")
                 if not data:
                     raise DaemonUnavailable(f"pled at {self.path} closed the connection; {_HINT}")
                 self._buf += data
@@ -166,6 +169,9 @@ class Connection:
         sock, self._sock = self._sock, None
         if sock is not None:
             sock.close()
+
+
+MAX_REPLY_FDS = 1  # an Attach reply's region; every other reply carries none
 
 
 def close_all(fds: list[int]) -> None:

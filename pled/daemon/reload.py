@@ -178,7 +178,8 @@ class Reloader:
         tables = [table] if table else list(self.registry.next)  # what the reload was about: the journal's PLED_TABLE
         self.registry.drop_next()
         self.counters.reload_ended("failed")
-        log.error("reload failed, nothing changed: %s", why, extra=journal.fields("reload_failed", table=tables))
+        log.error("reload failed, nothing changed: %s", clip(why, 2000), extra=journal.fields("reload_failed",
+                                                                                          table=tables))
         self._after(r.callers if r else [], Reply(protocol.error(protocol.RELOAD_FAILED, reason=clip(why, 2000))))
 
     def _after(self, callers: list[Session], reply: Reply) -> None:

@@ -32,6 +32,7 @@ from pled.shared.sizes import gib
 log = logging.getLogger(__name__)
 
 SOURCES_WAIT = 0.25  # seconds the loop waits for a check of the sources it started, before Status answers without it
+SOURCES_FRESH = 0.5  # seconds an answer is given again without a new check (a flood of Status calls)
 
 
 def check_sources(shards) -> str:
@@ -56,29 +57,36 @@ def check_sources(shards) -> str:
 
 class SourceCheck:
     """check_sources in a thread of its own, at most one at a time: a hung file system holds one thread per
-    table, whatever the number of Status calls, and never the loop."""
+    table, whatever the number of Status calls, and never the loop. An answer whose check began less than
+    SOURCES_FRESH ago is given again without a new check: a flood of Status calls starts no thread per call."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._running: tuple[threading.Event, float] | None = None  # (set when done, started)
-        self._answer: tuple[str, float] | None = None  # the last answer and when it was found
+        self._answer: tuple[str, float, float] | None = None  # the last answer, when it was found, when its check began
+        self._done = threading.Event()  # set: what start() returns where a fresh answer needs no check
+        self._done.set()
 
     def start(self, shards) -> tuple[threading.Event, float]:
-        """Check now, unless a check is under way: (an event set when that check is done, when it started)."""
+        """Check now, unless a check is under way or the last answer is fresh: (an event set when the check is done,
+        when it started)."""
         with self._lock:
+            answer = self._answer
+            if self._running is None and answer is not None and time.monotonic() - answer[2] < SOURCES_FRESH:
+                return self._done, answer[2]
             if self._running is None:
                 self._running = (threading.Event(), time.monotonic())
-                threading.Thread(target=self._run, args=(tuple(shards), self._running[0]), name="pled-sources",
+                threading.Thread(target=self._run, args=(tuple(shards), *self._running), name="pled-sources",
                                  daemon=True).start()
             return self._running
 
-    def _run(self, shards, done: threading.Event) -> None:
+    def _run(self, shards, done: threading.Event, started: float) -> None:
         try:
             answer = check_sources(shards)
         except Exception as err:  # a bug: Status says so rather than waiting for ever
             answer = f"not checked: {type(err).__name__}: {clip(err)}"
         with self._lock:
-            self._answer, self._running = (answer, time.monotonic()), None
+            self._answer, self._running = (answer, time.monotonic(), started), None
         done.set()
 
     def result(self, shards) -> str:
@@ -88,7 +96,7 @@ class SourceCheck:
         with self._lock:
             answer, running = self._answer, self._running
         now = time.monotonic()
-        if answer is not None and (running is None or answer[1] >= started):
+        if answer is not None and (running is None or answer[2] >= started):
             return answer[0]
         waiting = f"the check has been waiting {now - running[1]:.0f} s for the file system"
         if answer is None:

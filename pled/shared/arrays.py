@@ -126,21 +126,22 @@ def check(m) -> None:
                              f"or after byte {end} and inside the region's {m.region_bytes}")
         end = a.offset + a.nbytes
         lo = 0
-        for src in a.sources:
+        ends = (*a.starts[1:], a.shape[0])
+        for index, begin, start, end in zip(a.tensors, a.begins, a.starts, ends, strict=True):  # the columns
             in_time(1024)  # a client's attach(timeout) bounds these checks too (boundary.deadline)
-            if not 0 <= src.tensor < len(m.tensors) or sourced[src.tensor]:
-                raise ValueError(f"gives {what} a source tensor {src.tensor} that is not one of the manifest's "
+            if not 0 <= index < len(m.tensors) or sourced[index]:
+                raise ValueError(f"gives {what} a source tensor {index} that is not one of the manifest's "
                                  "tensors, or is another array's too")
-            sourced[src.tensor] = True
-            t = m.tensors[src.tensor]
+            sourced[index] = True
+            t = m.tensors[index]
             hi = lo + (t.shape[0] if len(t.shape) == 2 else -1)
             place = a.offset + lo * a.row_bytes
-            if (t.dtype != a.dtype or len(t.shape) != 2 or t.shape[1] != a.shape[1] or src.rows != (lo, hi)
+            if (t.dtype != a.dtype or len(t.shape) != 2 or t.shape[1] != a.shape[1] or (start, end) != (lo, hi)
                     or t.offset != place or t.nbytes != (hi - lo) * a.row_bytes):
                 raise ValueError(f"gives {what} a source {clip(t.name, 120)!r} ({t.dtype}{list(t.shape)} at "
-                                 f"{t.offset}, rows {list(src.rows)}) that is not its rows {lo}.. at {place}")
-            if src.begin < 8 or src.begin + t.nbytes > m.shards[t.shard].size:
-                raise ValueError(f"reads {clip(t.name, 120)!r} from bytes {src.begin}..{src.begin + t.nbytes} of a "
+                                 f"{t.offset}, rows {[start, end]}) that is not its rows {lo}.. at {place}")
+            if begin < 8 or begin + t.nbytes > m.shards[t.shard].size:
+                raise ValueError(f"reads {clip(t.name, 120)!r} from bytes {begin}..{begin + t.nbytes} of a "
                                  f"{m.shards[t.shard].size}-byte file")
             lo = hi
         if lo != a.shape[0]:

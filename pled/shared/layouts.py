@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pled.shared.boundary import clip
+
 # Any other set of tensors is a plain safetensors table (a checkpoint's own files, say).
 GENERIC = "safetensors"
 # The published sidecars' shape: 128 shards of 2,500,012 rows (320,001,536 in all), width 160. The published
@@ -74,7 +76,8 @@ def detect(names: set[str] | frozenset[str]) -> Layout | None:
             missing = sorted(layout.names - names)
             extra = sorted(names - layout.names)
             parts = (([f"lacks {', '.join(missing)}"] if missing else [])
-                     + ([f"has unexpected {', '.join(extra)}"] if extra else []))
+                     + ([f"has unexpected {clip(', '.join(extra[:5]), 400)}"
+                         + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")] if extra else []))
             raise ValueError(f"looks like {layout.name} but {' and '.join(parts)}")
     return None
 

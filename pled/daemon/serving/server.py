@@ -35,6 +35,8 @@ __all__ = ["CALL_TIMEOUT", "Session", "PENDING", "Reply", "Server"]
 
 log = logging.getLogger(__name__)
 
+CALLS_PER_TURN = 1  # calls of one connection handled in one turn of the loop (each other ready fd gets its turn)
+
 ACCEPT_PAUSE = 0.5  # seconds the listener rests after accept() found no fd free
 MAX_HELD = 64  # calls a client may send behind one still waiting for its answer
 PENDING = object()  # a handler's answer when the reply comes later (Attach with wait, Reload): see answer()
@@ -201,17 +203,24 @@ class Server:
         self._ready(conn, 0)
 
     def _pump(self, conn: Session) -> None:
-        """Handle received calls while no reply waits to be read and no call waits for its answer (replies go
-        out in call order: docs/protocol.md); then watch for what comes next."""
-        while conn.inbox and not conn.out and not conn.pending and self._live(conn):
+        """Handle a received call (CALLS_PER_TURN) if no reply waits to be read and no call waits for its answer
+        (replies go out in call order: docs/protocol.md); then watch for what comes next. The calls one write
+        brought are handled one a turn of the loop, each connection in its turn: a peer that packs thousands of
+        calls into one write delays nobody else's."""
+        for _ in range(CALLS_PER_TURN):
+            if not (conn.inbox and not conn.out and not conn.pending and self._live(conn)):
+                break
             conn.last_active = time.monotonic()
             self._dispatch(conn, conn.inbox.popleft())
         self._watch(conn)
 
     def _watch(self, conn: Session) -> None:
-        """Write while a reply waits, else read: a peer that leaves replies unread gets no more (its calls wait)."""
+        """Write while a reply waits, else read: a peer that leaves replies unread gets no more (its calls wait).
+        Calls received and not yet handled (no reply waiting, none pending): the socket's writability brings the
+        loop back to them next turn, after the other ready fds, and nothing more is read from it meanwhile."""
         if self._loop is not None and self.connections.get(conn.fd) is conn:
-            self._loop.want(conn.sock, WRITE if conn.out else READ)
+            backlog = bool(conn.inbox) and not conn.pending
+            self._loop.want(conn.sock, WRITE if conn.out or backlog else READ)
 
     def _dispatch(self, conn: Session, raw: bytes) -> None:
         if not conn.allowed:

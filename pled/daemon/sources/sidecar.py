@@ -83,6 +83,8 @@ def _trailing_number(stem: str) -> tuple[str, str]:
     i = len(stem)
     while i and stem[i - 1].isdecimal():  # what \d matches in a str pattern
         i -= 1
+    if len(stem[i:].lstrip("0")) > 18:  # no shard count or number has so many digits (and int() refuses 4,300)
+        return stem, ""
     return stem[:i], stem[i:]
 
 
@@ -179,14 +181,19 @@ def _contiguous(files: list[str], numbers: list[int], expect: range) -> None:
         if n in seen:
             raise SidecarError(f, f"shard number {n} appears twice (also {os.path.basename(seen[n])})")
         seen[n] = f
-    missing = [n for n in expect if n not in seen]
+    missing = []  # the first few: a name may claim a count of 10**18 (model-00001-of-99999999999999)
+    for n in expect:
+        if n not in seen:
+            missing.append(n)
+            if len(missing) > 5:
+                break
     if missing:
         directory = os.path.dirname(files[0])
         shown = ", ".join(str(n) for n in missing[:5]) + (" …" if len(missing) > 5 else "")
         raise SidecarError(directory,
                            f"shard numbering has a gap: number {shown} missing of {expect.start}..{expect.stop - 1}")
     if len(seen) != len(expect):
-        extra = sorted(set(seen) - set(expect))
+        extra = sorted(n for n in seen if n not in expect)
         raise SidecarError(seen[extra[0]], f"shard number {extra[0]} is outside {expect.start}..{expect.stop - 1}")
 
 
@@ -260,13 +267,13 @@ def _check_alike(headers: list[SafetensorsHeader]) -> None:
     for h in headers[1:]:
         this = sig(h)
         if set(this) != set(first):
-            raise SidecarError(h.path, f"tensors {sorted(this)} differ from {sorted(first)} "
+            raise SidecarError(h.path, f"tensors {clip(sorted(this), 400)} differ from {clip(sorted(first), 400)} "
                                        f"in {os.path.basename(headers[0].path)}")
         for name, (dtype, trailing) in this.items():
             if (dtype, trailing) != first[name]:
                 raise SidecarError(
                     h.path,
-                    f"tensor {name!r} is {dtype}[*, {', '.join(map(str, trailing))}] but "
+                    f"tensor {clip(name, 120)!r} is {dtype}[*, {', '.join(map(str, trailing))}] but "
                     f"{first[name][0]}[*, {', '.join(map(str, first[name][1]))}] "
                     f"in {os.path.basename(headers[0].path)}",
                 )
