@@ -134,13 +134,12 @@ def verify(socket: str, table: str | None = None, out=sys.stdout) -> int:
     """Every table (or ``table``), each to its end whatever another one gave: 0 all identical, 1 any difference or
     a table that could not be verified (each named on stderr), 3 pled not running."""
     try:
-        if table:
-            names = [table]
-        else:
+        names: list = [table]
+        if not table:
             tables = client.call(protocol.STATUS, socket=socket).get("tables")
-            names = [t.get("table") for t in tables] if isinstance(tables, list) and all(
-                isinstance(t, dict) for t in tables) else None
-            if names is None or not all(isinstance(n, str) for n in names):
+            listed = isinstance(tables, list) and all(isinstance(t, dict) for t in tables)
+            names = [t.get("table") for t in tables] if listed else []
+            if not listed or not all(isinstance(n, str) for n in names):
                 say(f"pled verify: the Status reply from {socket} lists no tables this pled can read; is a pled of "
                     "this version serving there?", file=sys.stderr)
                 return 1
