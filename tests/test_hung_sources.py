@@ -167,3 +167,30 @@ def test_sigterm_while_a_staging_read_hangs_refuses_clients_and_names_the_table(
     finally:
         flag.unlink(missing_ok=True)
         pled.stop()
+
+
+def test_a_flood_of_status_calls_checks_the_sources_at_most_every_half_second(monkeypatch):
+    """A second attack's finding: every Status call started a check of every table's sources (a thread, a stat of
+    each file) and waited for it on the loop; a member's 2,321 Status calls in one write did so 2,321 times. An answer
+    whose check began less than SOURCES_FRESH ago is given again."""
+    import threading
+    import time
+
+    from pled.daemon import tables
+
+    checks = []
+
+    def counted(shards):
+        checks.append(threading.current_thread().name)
+        return "unchanged"
+
+    monkeypatch.setattr(tables, "check_sources", counted)
+    source_check = tables.SourceCheck()
+    start = time.monotonic()
+    answers = [source_check.result(()) for _ in range(500)]
+    took = time.monotonic() - start
+    assert set(answers) == {"unchanged"}
+    assert 1 <= len(checks) <= 1 + took / tables.SOURCES_FRESH, (len(checks), took)
+    time.sleep(tables.SOURCES_FRESH)
+    source_check.result(())  # once the answer is older than that: checked again
+    assert len(checks) == 2 or len(checks) > 1 + took / tables.SOURCES_FRESH

@@ -78,7 +78,7 @@ MUTATIONS = [
              ("tests/test_client_untrusted.py::test_a_reply_with_more_fds_than_a_reply_carries_is_refused_and_they_are_closed",)),
     Mutation("a table's sources checked anew at every Status call", "pled/daemon/tables.py",
              "time.monotonic() - answer[2] < SOURCES_FRESH:", "time.monotonic() - answer[2] < 0:",
-             ("tests/test_liveness.py::test_pings_are_answered_within_a_second_while_members_flood_the_socket",)),
+             ("tests/test_hung_sources.py::test_a_flood_of_status_calls_checks_the_sources_at_most_every_half_second",)),
     Mutation("the hugepages overlay names the base's files, outside its directory, again",
              "deploy/kubernetes/hugepages/kustomization.yaml",
              "  - ../base  #",
