@@ -21,14 +21,15 @@ from pathlib import Path
 import pytest
 
 import harness
-from pled.generator import make_checkpoint
+from pled.generator import make_checkpoint, shard_rows
 from vllm_env.ple_world import VLLM_033, run_world, sizes
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 DTYPES = ("bf16", "fp8", "nvfp4")
-# 4 n-gram heads of 64 columns; ~400k rows a layer; a divisor that 1, 2 and 3 ranks divide; vLLM's 512 shards
+# 4 n-gram heads of 64 columns; ~400k rows a layer; a divisor that 1, 2 and 3 ranks divide; 1,000 shards, so that
+# each layer's last shards are empty and the one before them partial (vLLM's ceil(rows / parts) each, then the rest)
 TEXT = {"ngram_size": 3, "heads_per_ngram": 2, "ple_embed_dim": 256, "ngram_vocab_size_base": 100_000,
-        "make_ngram_vocab_size_divisible_by": 6, "split_ngram_parts": 512, "eos_token_id": 1, "vocab_size": 1000}
+        "make_ngram_vocab_size_divisible_by": 6, "split_ngram_parts": 1000, "eos_token_id": 1, "vocab_size": 1000}
 LAYERS = [0, 1]
 PREFIX0 = "model.language_model.layers.0.ple.ple_embedding.ngram_embedding"
 PINNED = {"bf16": ["weight"], "fp8": ["weight"], "nvfp4": ["weight", "weight_scale"]}
@@ -47,6 +48,9 @@ def served(tmp_path_factory):
     d = tmp_path_factory.mktemp("ple033")
     rows = sizes(TEXT, LAYERS)
     assert len(set(rows.values())) == len(rows)  # each layer's table has its own row count
+    for n in rows.values():  # uneven shards: full ones, a partial one, then empty ones
+        split = shard_rows(n, TEXT["split_ngram_parts"])
+        assert split[-1] == 0 and 0 < min(r for r in split if r) < split[0], split[-5:]
     dirs = {}
     for dtype in DTYPES:
         dirs[dtype] = d / dtype
