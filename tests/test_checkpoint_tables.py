@@ -329,7 +329,7 @@ def test_a_table_vllm_would_read_otherwise_is_refused_naming_the_tensor(tmp_path
 
 
 def test_names_sort_by_their_numbers_whatever_their_digits(tmp_path):
-    from pled.daemon.sources.sidecar import natural_key
+    from pled.daemon.sources.naming import natural_key
 
     names = ["shard_10", "shard_2", "shard_002", "m\u00b22", "x" + "7" * 5000, "x9"]
     assert sorted(names, key=natural_key)[:3] == ["m\u00b22", "shard_2", "shard_002"]

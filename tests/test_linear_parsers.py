@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from parsers import CORPUS, JSON_WORST, PARSERS, corpus
-from pled.daemon.sources import sidecar
+from pled.daemon.sources import naming
 from pled.shared import boundary, protocol
 
 DOUBLING_BUDGET = 2.5  # time(2n) / time(n) on a worst input: 2 is linear, 4 quadratic
@@ -190,7 +190,7 @@ def test_numbers_are_checked_wherever_one_could_be_too_long_or_infinite():
                                                                                                -0.0]
 
 
-_NUMBERED = re.compile(r"^(?P<prefix>.*?)(?P<n>\d+)\.safetensors$")  # what sidecar.py matched names with before
+_NUMBERED = re.compile(r"^(?P<prefix>.*?)(?P<n>\d+)\.safetensors$")  # what sidecar.py matched names with once
 _OF = re.compile(r"^(?P<prefix>.*?)-(?P<n>\d+)-of-(?P<total>\d+)\.safetensors$")
 
 
@@ -200,8 +200,8 @@ _OF = re.compile(r"^(?P<prefix>.*?)-(?P<n>\d+)-of-(?P<total>\d+)\.safetensors$")
 @example("a-1-of-2-of-3.safetensors")
 def test_shard_names_are_read_as_the_patterns_read_them(name):
     m, o = _NUMBERED.match(name), _OF.match(name)
-    assert sidecar.numbered(name) == (m and (m["prefix"], int(m["n"])))
-    assert sidecar.numbered_of(name) == (o and (o["prefix"], int(o["n"]), int(o["total"])))
+    assert naming.numbered(name) == (m and (m["prefix"], int(m["n"])))
+    assert naming.numbered_of(name) == (o and (o["prefix"], int(o["n"]), int(o["total"])))
 
 
 def test_a_directory_of_long_numbered_names_is_read_in_linear_time(tmp_path):
@@ -210,7 +210,7 @@ def test_a_directory_of_long_numbered_names_is_read_in_linear_time(tmp_path):
     def names(n: int) -> list[str]:
         return ["1" * n + "x.safetensors"] * 200
 
-    ratio = _doubling(lambda ns: [sidecar.numbered(x) for x in ns], names, 100)
+    ratio = _doubling(lambda ns: [naming.numbered(x) for x in ns], names, 100)
     assert ratio <= DOUBLING_BUDGET, f"names of 200 digits took {ratio:.1f}x as long as of 100"
 
 

@@ -70,7 +70,7 @@ MUTATIONS = [
     Mutation("clip escapes the whole text before cutting it", "pled/shared/boundary.py",
              "    s = printable(raw[:limit + 1])\n", "    s = printable(raw)\n",
              ("tests/test_escapes.py::test_clip_costs_what_it_shows_whatever_the_length_of_the_text",)),
-    Mutation("a shard count a name claims listed in full", "pled/daemon/sources/sidecar.py",
+    Mutation("a shard count a name claims listed in full", "pled/daemon/sources/naming.py",
              "            if len(missing) > 5:\n                break\n", "",
              ("tests/test_sidecar.py::test_a_name_that_claims_a_vast_shard_count_is_refused_at_once",)),
     Mutation("a reply's fds kept however many come", "pled/client/connection.py",

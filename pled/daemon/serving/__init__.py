@@ -1,7 +1,8 @@
 """Serving: the socket, its connections and the one loop that watches them.
 
-listener.py (the socket bound, its directory checked), server.py (accepting, reading calls, writing replies with
-their fds), session.py (one connection: its queued replies and the fds in flight, `Lingering`), access.py (who may
+listener.py (the socket bound, its directory checked), admission.py (accepting: who gets a connection, under the
+caps; the listener paused while no fd is free), server.py (reading calls, handling them one a turn, writing replies
+with their fds), session.py (one connection: its queued replies and the fds in flight, `Lingering`), access.py (who may
 attach: SO_PEERCRED and SO_PEERGROUPS against the policy), fdlimit.py (the open-file limit, the connection caps and
 the fd budget), loop.py (the selector, the only thread that touches the daemon's state).
 

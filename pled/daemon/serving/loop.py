@@ -13,6 +13,7 @@ import os
 import selectors
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 from pled.daemon.health.throttle import Throttle
@@ -34,11 +35,20 @@ def drain(fd: int) -> None:
         pass
 
 
+def _ignoring_mask(callback: Callable[[], None]) -> Callback:
+    def call(_mask: int) -> None:
+        callback()
+
+    call.__qualname__ = getattr(callback, "__qualname__", "soon")  # what the loop's log names, where it raises
+    return call
+
+
 class Loop:
     def __init__(self) -> None:
         self._sel = selectors.DefaultSelector()  # owns the epoll fd until close()
         self._throttle = Throttle()
         self._closed = False
+        self._soon: deque[Callable[[], None]] = deque()  # work left for the next turn (a connection's further calls)
 
     def watch(self, fileobj, callback: Callback, events: int = READ) -> None:
         self._sel.register(fileobj, events, callback)
@@ -52,13 +62,21 @@ class Loop:
     def unwatch(self, fileobj) -> None:
         self._sel.unregister(fileobj)
 
+    def soon(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` in the next turn, after the fds ready then: work one turn leaves for the next, so that
+        each ready fd (and each connection's next call) gets its turn in between."""
+        self._soon.append(callback)
+
     def run(self, stop: threading.Event, interval: float, tick: Callable[[float], None]) -> None:
         """Dispatch ready fds and call ``tick(now)`` at least every ``interval`` seconds, until ``stop`` is set."""
         while not stop.is_set():
-            for key, mask in self._sel.select(timeout=interval):
+            left = len(self._soon)  # what earlier turns left; what this one leaves waits for the next
+            for key, mask in self._sel.select(timeout=0 if left else interval):
                 self._guarded(key.data, mask)
                 if stop.is_set():
                     break
+            for _ in range(left):
+                self._guarded(_ignoring_mask(self._soon.popleft()), 0)
             self._guarded(lambda _mask: tick(time.monotonic()), 0)
 
     def _guarded(self, callback: Callback, mask: int) -> None:

@@ -19,12 +19,14 @@ import socket
 import stat
 import time
 from collections.abc import Callable
+from functools import partial
 
 from pled.daemon.health import journal
 from pled.daemon.health.counters import Counters
 from pled.daemon.health.throttle import Budget, Throttle
 from pled.daemon.serving import fdlimit, session
-from pled.daemon.serving.access import Policy, peer_of
+from pled.daemon.serving.access import Policy
+from pled.daemon.serving.admission import Admission
 from pled.daemon.serving.listener import bind
 from pled.daemon.serving.loop import READ, WRITE, Loop
 from pled.daemon.serving.session import CALL_TIMEOUT, Outgoing, Reply, Session
@@ -37,7 +39,6 @@ log = logging.getLogger(__name__)
 
 CALLS_PER_TURN = 1  # calls of one connection handled in one turn of the loop (each other ready fd gets its turn)
 
-ACCEPT_PAUSE = 0.5  # seconds the listener rests after accept() found no fd free
 MAX_HELD = 64  # calls a client may send behind one still waiting for its answer
 PENDING = object()  # a handler's answer when the reply comes later (Attach with wait, Reload): see answer()
 
@@ -45,7 +46,7 @@ PENDING = object()  # a handler's answer when the reply comes later (Attach with
 Handler = Callable[[Session, str, dict], "Reply | object"]
 
 
-class Server:
+class Server(Admission):
     def __init__(self, path: str, policy: Policy, handler: Handler, on_close: Callable[[Session], None], loop: Loop,
                  *, max_connections: int, fd_budget: fdlimit.FdBudget, counters: Counters) -> None:
         self.path = path
@@ -90,76 +91,14 @@ class Server:
 
     # -- accepting ---------------------------------------------------------------------------
 
-    def _accept(self, _mask: int) -> None:
-        for _ in range(64):  # a burst of clients: take several, then let the loop breathe
-            try:
-                sock, _ = self.listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as err:
-                if err.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    self._pause(err)
-                    return
-                self._throttle.log("accept", log.warning, "accept() failed: %s", err)
-                return
-            sock.setblocking(False)
-            try:
-                peer = peer_of(sock)
-            except OSError:
-                peer = None  # the peer is gone already
-            if peer is None or not self._admit(peer):
-                sock.close()
-                continue
-            conn = Session(sock, peer, self.policy.allows(peer))
-            self.connections[conn.fd] = conn
-            self._loop.watch(sock, lambda mask, c=conn: self._ready(c, mask))
-            log.debug("client connected: %s", peer.describe())
-
-    def _admit(self, peer) -> bool:
-        """Room for ``peer``: within its uid's share (fdlimit.over_share) and the cap, where an idle one may go."""
-        uids = [c.peer.uid for c in self.connections.values()] + self.lingering.uids()
-        why = fdlimit.over_share(peer.uid, (0, self.policy.own_uid), uids.count(peer.uid), len(uids),
-                                 self.max_connections)
-        if why is None and len(uids) >= self.max_connections and not self._make_room():
-            why = f"all {len(uids)} connections are attached or busy (the cap, from the open-file limit)"
-        if why is not None:
-            self.counters.refuse("connection_cap" if len(uids) >= self.max_connections else "uid_share")
-            self._throttle.log(("refuse", peer.uid), log.warning, "refusing %s: %s", peer.describe(), why,
-                               extra=journal.fields("client_refused", peer=peer))
-        return why is None
-
-    def _make_room(self) -> bool:
-        """At the cap: close the connection idle longest that holds no table and waits for nothing."""
-        idle = [c for c in self.connections.values() if c.idle]
-        if not idle:
-            return False
-        victim = min(idle, key=lambda c: c.last_active)
-        self._throttle.log("evict", log.warning, "at the cap of %d connections: closing idle connections (no table, no "
-                           "call) to admit new clients, first %s", self.max_connections, victim.peer.describe())
-        self._drop(victim, None, "idle_evicted")
-        return True
-
-    def _pause(self, err: OSError) -> None:
-        """No fd for a new client: stop watching the listener for a moment instead of spinning on it."""
-        if self._paused_until is None and self._loop is not None:
-            self._loop.unwatch(self.listener)
-        self._paused_until = time.monotonic() + ACCEPT_PAUSE
-        self._throttle.log("pause", log.warning, "cannot accept clients: %s with %d connections open; accepting again "
-                           "once an fd is free (raise LimitNOFILE= if it lasts)", err.strerror, len(self.connections))
-
-    def _resume(self) -> None:
-        if self._paused_until is not None and self._loop is not None:
-            self._paused_until = None
-            self._loop.watch(self.listener, self._accept)
-
     # -- reading and dispatching -------------------------------------------------------------
 
     def _ready(self, conn: Session, mask: int) -> None:
         try:
             if mask & WRITE:
                 self._flush(conn)
-            if mask & READ and self._live(conn):
-                self._read(conn)
+            if mask & READ and self._live(conn) and not (conn.inbox and not conn.pending):
+                self._read(conn)  # (calls still to handle: none read meanwhile; MAX_HELD bounds those behind one)
             else:
                 self._pump(conn)  # the reply went: the calls that waited behind it
         except Exception as err:  # a bug handling one connection ends that connection, never the loop
@@ -204,23 +143,29 @@ class Server:
 
     def _pump(self, conn: Session) -> None:
         """Handle a received call (CALLS_PER_TURN) if no reply waits to be read and no call waits for its answer
-        (replies go out in call order: docs/protocol.md); then watch for what comes next. The calls one write
-        brought are handled one a turn of the loop, each connection in its turn: a peer that packs thousands of
-        calls into one write delays nobody else's."""
+        (replies go out in call order: docs/protocol.md), then watch for what comes next. Calls left over are the
+        loop's work for its next turn (``Loop.soon``), after the fds ready then: a peer that packs thousands of calls
+        into one write delays nobody else's."""
         for _ in range(CALLS_PER_TURN):
             if not (conn.inbox and not conn.out and not conn.pending and self._live(conn)):
                 break
             conn.last_active = time.monotonic()
             self._dispatch(conn, conn.inbox.popleft())
+        if self._loop is not None and conn.inbox and not conn.out and not conn.pending and not conn.scheduled \
+                and self._live(conn):
+            conn.scheduled = True
+            self._loop.soon(partial(self._next_call, conn))
         self._watch(conn)
 
+    def _next_call(self, conn: Session) -> None:
+        conn.scheduled = False
+        if self.connections.get(conn.fd) is conn:
+            self._ready(conn, 0)
+
     def _watch(self, conn: Session) -> None:
-        """Write while a reply waits, else read: a peer that leaves replies unread gets no more (its calls wait).
-        Calls received and not yet handled (no reply waiting, none pending): the socket's writability brings the
-        loop back to them next turn, after the other ready fds, and nothing more is read from it meanwhile."""
+        """Write while a reply waits, else read: a peer that leaves replies unread gets no more (its calls wait)."""
         if self._loop is not None and self.connections.get(conn.fd) is conn:
-            backlog = bool(conn.inbox) and not conn.pending
-            self._loop.want(conn.sock, WRITE if conn.out or backlog else READ)
+            self._loop.want(conn.sock, WRITE if conn.out else READ)
 
     def _dispatch(self, conn: Session, raw: bytes) -> None:
         if not conn.allowed:

@@ -114,6 +114,7 @@ class Session:
     since: float = field(default_factory=time.monotonic)
     framer: protocol.Framer = field(default_factory=lambda: protocol.Framer(protocol.MAX_CALL))
     inbox: deque = field(default_factory=deque)  # calls received, not yet handled (one reply waits)
+    scheduled: bool = False  # its next call is the loop's work for its next turn (Server._pump)
     out: deque[Outgoing] = field(default_factory=deque)  # replies not yet (fully) written
     out_bytes: int = 0
     fds_sent: int = 0  # fds handed to the kernel since its queue to the peer was last seen empty

@@ -15,8 +15,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from pled.daemon.sources.naming import find_files, natural_key
 from pled.daemon.sources.safetensors_file import SafetensorsHeader, TensorInfo, read_header
-from pled.daemon.sources.sidecar import Shard, Sidecar, find_files, natural_key
+from pled.daemon.sources.sidecar import Shard, Sidecar
 from pled.shared import arrays
 from pled.shared.arrays import LAYOUT as ARRAYS_LAYOUT
 from pled.shared.boundary import BoundaryError, clip, load_json, read_bounded
