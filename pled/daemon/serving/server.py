@@ -147,15 +147,18 @@ class Server(Admission):
         loop's work for its next turn (``Loop.soon``), after the fds ready then: a peer that packs thousands of calls
         into one write delays nobody else's."""
         for _ in range(CALLS_PER_TURN):
-            if not (conn.inbox and not conn.out and not conn.pending and self._live(conn)):
+            if not self._may_handle(conn):
                 break
             conn.last_active = time.monotonic()
             self._dispatch(conn, conn.inbox.popleft())
-        if self._loop is not None and conn.inbox and not conn.out and not conn.pending and not conn.scheduled \
-                and self._live(conn):
+        if self._loop is not None and not conn.scheduled and self._may_handle(conn):
             conn.scheduled = True
             self._loop.soon(partial(self._next_call, conn))
         self._watch(conn)
+
+    def _may_handle(self, conn: Session) -> bool:
+        """A received call may be handled now: no reply waits to be read, no call waits for its answer."""
+        return bool(conn.inbox) and not conn.out and not conn.pending and self._live(conn)
 
     def _next_call(self, conn: Session) -> None:
         conn.scheduled = False
