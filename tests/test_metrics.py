@@ -349,6 +349,17 @@ def test_the_figures_agree_with_pled_status_and_the_kernel(tmp_path, daemon, sid
 
 @pytest.mark.daemon
 @pytest.mark.slow
+def test_a_change_is_in_the_file_at_once_not_at_the_next_interval(tmp_path, daemon, sidecar):
+    """With an interval of an hour, a client that attaches and one that leaves are each in the file within seconds
+    (a change is written at most MIN_GAP after it, not at the next interval)."""
+    path = tmp_path / "pled.prom"
+    pled = daemon({"t": sidecar(shards=2, rows=300)}, metrics_file=path, metrics_interval=3600)
+    assert value(ready_file(path), "pled_clients") == 0
+    with client.attach("t", socket=pled.socket, populate=False):
+        wait_until(lambda: value(read(path), "pled_clients") == 1, 10, "the attach never reached the file")
+    wait_until(lambda: value(read(path), "pled_clients") == 0, 10, "the detach never reached the file")
+
+
 def test_a_reader_never_sees_half_a_file_over_fifty_rewrites(tmp_path, daemon, sidecar):
     """A reader opens, reads and parses the file in a loop while clients attach and leave (each change rewrites it,
     at most every 0.1 s): every read is a whole file, and a file a reader holds open never changes under it."""

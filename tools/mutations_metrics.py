@@ -36,7 +36,7 @@ MUTATIONS = [
     Mutation("a change waits for the interval before the metrics file shows it", "pled/daemon/health/metrics_file.py",
              "        if since < self.interval and not (fresh and since >= MIN_GAP):\n",
              "        if since < self.interval:\n",
-             (HALF,)),
+             (T + "test_a_change_is_in_the_file_at_once_not_at_the_next_interval",)),
     # The writer: off the loop thread, and a stop that does not wait for it for ever.
     Mutation("the metrics file written in the loop thread", "pled/daemon/health/metrics_file.py",
              "            job = (self.path, self._snapshot())\n",
