@@ -220,4 +220,4 @@ def test_configured_but_unreachable_fails_the_load_with_pleds_message_or_falls_b
     for layer in LAYERS:
         rec = report["cases"]["dead"]["layers"][str(layer)]
         assert "error" not in rec and rec["equal_to_upstream"] == {n: True for n in rec["digests"]}
-    assert sum("cannot attach" in line for line in report["stderr"].splitlines()) >= 1
+    assert sum("cannot attach" in line for line in report["stderr"].splitlines()) == 1  # one warning a process
