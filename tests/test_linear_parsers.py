@@ -64,10 +64,11 @@ def _ratio(parse_a, a: bytes, parse_b, b: bytes, budget: float) -> float:
 
 
 def _size(limit: int) -> int:
-    """A worst input's size n (and 2n, within the limit): 256 KiB, where what it builds stays in this machine's
-    caches (at 1 MiB, json.loads alone took 2.2 to 2.5 times as long for twice the lists: memory, not work), and
-    each run is repeated until it is timed above the noise (_calibrated)."""
-    return min(limit // 3, 256 * 1024)
+    """A worst input's size n (and 2n, within the limit): 128 KiB, where what it builds stays in this machine's
+    caches (at 1 MiB, json.loads alone took 2.2 to 2.5 times as long for twice the lists: memory, not work; a
+    checkpoint index of brackets 2.4 at 256 KiB, 2.1 at 128 KiB), and each run is repeated until it is timed above
+    the noise (_calibrated)."""
+    return min(limit // 3, 128 * 1024)
 
 
 def _loops(parse, raw: bytes, at_least: float = 0.02) -> int:
