@@ -2,7 +2,8 @@
 
 The Loop alone holds the selector: whoever wants to hear of an fd (the signal pipe, the stager's event pipe,
 the server's listener and connections) asks the Loop to ``watch`` it, with a callback that gets the ready
-events; ``want`` changes which events, ``unwatch`` stops. A callback that raises is logged (once a minute for
+events; ``want`` changes which events, ``unwatch`` stops; ``soon`` leaves work for the next turn, after the fds
+ready then (a connection's further calls). A callback that raises is logged (once a minute for
 the same fault) and the loop goes on, as does a tick that raises. The server guards its own connections the
 same way, so one client's trouble ends that client's connection, not the loop.
 """
