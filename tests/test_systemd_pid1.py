@@ -131,9 +131,9 @@ def write_test_units(units: Path, testdir: str, private_users: bool = False) -> 
     run_from_checkout = f"Environment=PYTHONPATH={in_namespace(CHECKOUT)}\n"
     text = (UNITS / "pled.service").read_text()
     python = in_namespace(sys.executable)
-    assert "/opt/pled/bin/pled serve" in text and re.search(r"^ExecStartPre=-\+", text, flags=re.M)
-    text = text.replace("/opt/pled/bin/pled serve", f"{python} -m pled serve -c {testdir}/pled.toml")
-    text = text.replace("/opt/pled/bin/pled reload", f"{python} -m pled reload -c {testdir}/pled.toml")
+    assert "/usr/lib/pled/bin/pled serve" in text and re.search(r"^ExecStartPre=-\+", text, flags=re.M)
+    text = text.replace("/usr/lib/pled/bin/pled serve", f"{python} -m pled serve -c {testdir}/pled.toml")
+    text = text.replace("/usr/lib/pled/bin/pled reload", f"{python} -m pled reload -c {testdir}/pled.toml")
     # Never touch the host's sysfs from the test: the privileged line only records who it ran as.
     text = re.sub(r"^ExecStartPre=-\+.*\n", "ExecStartPre=-+/bin/sh -c 'id -u > /run/pled-prestart-uid'\n", text,
                   flags=re.M)

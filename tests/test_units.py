@@ -39,8 +39,8 @@ def verify(unit_dir: Path, unit: str) -> str:
 def installed(tmp_path: Path, drop_ins: bool = False) -> Path:
     """The units as an operator installs them, ExecStart pointing at this environment's pled."""
     text = (UNITS / "pled.service").read_text()
-    assert "/opt/pled/bin/pled serve" in text and "/opt/pled/bin/pled reload" in text
-    (tmp_path / "pled.service").write_text(text.replace("/opt/pled/bin/pled", PLED))
+    assert "/usr/lib/pled/bin/pled serve" in text and "/usr/lib/pled/bin/pled reload" in text
+    (tmp_path / "pled.service").write_text(text.replace("/usr/lib/pled/bin/pled", PLED))
     if drop_ins:
         shutil.copytree(UNITS / "pled.service.d", tmp_path / "pled.service.d")
     return tmp_path

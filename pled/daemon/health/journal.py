@@ -20,7 +20,7 @@ lines, which reach the journal through its stream, without the fields), after a 
 error, written at most once a minute.
 
 Standard library only, not systemd-python: that needs libsystemd's headers and a compiler to install into
-/opt/pled, for one sendto(); this is the same protocol in a page, tested against a socket of the tests' own and
+/usr/lib/pled, for one sendto(); this is the same protocol in a page, tested against a socket of the tests' own and
 against journald itself (tests/test_journal.py, tests/test_systemd_pid1.py).
 """
 from __future__ import annotations
