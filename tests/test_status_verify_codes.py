@@ -194,3 +194,31 @@ def test_verify_goes_on_past_a_source_it_cannot_compare_and_names_it(tmp_path, d
     assert "[1/2] alpha/shard_0.safetensors: cannot be compared: the source is a FIFO, not a regular file" in v.stdout
     assert verdicts(v.stdout) == {"alpha": "1 shard(s) differ", "bravo": "all shards identical",
                                   "charlie": "all shards identical"}, v.stdout
+
+
+@pytest.mark.daemon
+def test_verify_names_the_byte_and_both_values_of_a_difference_past_its_first_read(tmp_path, daemon):
+    """`pled verify` reads a file CHUNK (16 MiB) at a time; in a 20 MB shard whose bytes differ only in its second
+    read (two bytes, 300 apart), it names the first of them by its offset in the file and the values the region and
+    the file hold there, as it does for one in the first read."""
+    from pled.verify import CHUNK
+
+    src = tmp_path / "big"
+    make_sidecar(str(src), "ples_int4", shards=1, rows=200_000)  # one shard of 20,000,224 bytes
+    shard = src / "shard_0.safetensors"
+    size = shard.stat().st_size
+    first, second = CHUNK + 1_234_567, CHUNK + 1_234_867
+    assert CHUNK < first < second < size and size < 2 * CHUNK  # both in the second read, the last one
+    pled = daemon({"t": src})
+    with open(shard, "r+b") as f:
+        was = []
+        for at in (first, second):
+            f.seek(at)
+            was.append(f.read(1)[0])
+            f.seek(at)
+            f.write(bytes([was[-1] ^ 0xA5]))  # the same size and header, other content
+    v = run_pled("verify", "t", "--socket", pled.socket)
+    assert v.returncode == 1, v.stdout + v.stderr
+    assert (f"[1/1] t/shard_0.safetensors: DIFFERS at byte {first}: the region has 0x{was[0]:02x}, the file "
+            f"0x{was[0] ^ 0xA5:02x}") in v.stdout.splitlines(), v.stdout
+    assert verdicts(v.stdout) == {"t": "1 shard(s) differ"}

@@ -20,12 +20,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mutations import Mutation  # noqa: E402
 
 JOURNAL = "tests/test_journal.py::"
+CODES = "tests/test_status_verify_codes.py::"
 
 MUTATIONS = [
     # The journal's native protocol: a value's length in bytes.
     Mutation("a multi-line journal value's length counted in characters, not bytes", "pled/daemon/health/journal.py",
              'struct.pack("<Q", len(data)) + data', 'struct.pack("<Q", len(value)) + data',
              (JOURNAL + "test_a_multi_line_message_in_other_scripts_arrives_whole_its_length_counted_in_bytes",)),
+    # pled verify: a difference past the first chunk it reads.
+    Mutation("pled verify names a difference by its offset in the chunk read, not in the file", "pled/verify.py",
+             "at = done + _first_difference(", "at = _first_difference(",
+             (CODES + "test_verify_names_the_byte_and_both_values_of_a_difference_past_its_first_read",)),
 ]
 
 
