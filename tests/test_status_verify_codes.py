@@ -4,7 +4,9 @@ What the codes mean (README's command table, pled/cli.py, pled/verify.py, pled/s
 
     pled status    0 every table ready and fully resident; 1 a table not ready or not fully resident;
                    3 pled not running, or not answering within --timeout. With --live (the liveness probe):
-                   0 whenever pled answers, staging or not; 3 otherwise. ``sources`` (in --json) says whether a
+                   0 whenever pled answers, staging or not; 3 otherwise. With --format prometheus (a scrape
+                   script keeps its output on exit 0 only): 0 whenever pled answers, its figures saying what is
+                   not ready; 3 otherwise, nothing printed. ``sources`` (in --json) says whether a
                    table's files are still as staged, and does not enter the exit status.
     pled verify    0 every shard of every table (or of the one named) identical to its file; 1 any difference,
                    a source it cannot compare, or a table it cannot attach (not ready), each named, the other
@@ -19,6 +21,7 @@ import os
 import signal
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from harness import Daemon, run_pled, wait_until
 from pled import client
@@ -87,6 +90,8 @@ def test_status_and_verify_exit_0_for_three_good_tables_and_3_once_pled_is_gone(
     for command in ("status", "verify"):
         gone = run_pled(command, "--socket", pled.socket)
         assert gone.returncode == 3 and "pled is not running" in gone.stderr, (command, gone.stderr)
+    gone = run_pled("status", "--format", "prometheus", "--socket", pled.socket)
+    assert (gone.returncode, gone.stdout) == (3, "") and "pled is not running" in gone.stderr, gone.stderr
 
 
 @pytest.mark.daemon
@@ -148,17 +153,25 @@ def test_sources_reports_a_same_size_rewrite_by_its_mtime_and_verify_by_its_byte
 @pytest.mark.daemon
 def test_status_exits_1_while_one_of_three_tables_is_still_staging(tmp_path, daemon):
     """Tables are staged one after another in config order; with staging held to 1 MB/s the last one (19 MiB)
-    stages for about 20 s after the first two are ready. pled is stopped long before it is done."""
+    stages for about 20 s after the first two are ready. pled is stopped long before it is done. Meanwhile `pled
+    status` exits 1, and `pled status --format prometheus` exits 0 with the figures that say so."""
     pled = daemon(three_tables(tmp_path, charlie=110_000), wait="listening on", staging_bandwidth="1MB/s")
     states = lambda: {t["table"]: t["state"] for t in client.call(protocol.STATUS, socket=pled.socket)["tables"]}  # noqa: E731
     wait_until(lambda: states()["bravo"] == "ready", 10, message=lambda: f"{states()}")
 
     st = run_pled("status", "--socket", pled.socket)
     js = run_pled("status", "--json", "--socket", pled.socket)
+    prom = run_pled("status", "--format", "prometheus", "--socket", pled.socket)
     v = run_pled("verify", "--socket", pled.socket)
     one = run_pled("verify", "alpha", "--socket", pled.socket)
     assert states()["charlie"] == "staging", "charlie finished staging during the checks: slow it down further"
     assert st.returncode == 1, st.stdout + st.stderr
+    # A scrape script keeps the Prometheus text only on exit 0: printed, exit 0, the figures saying it stages.
+    assert prom.returncode == 0 and prom.stderr == "", prom.stdout + prom.stderr
+    samples = {(s.name, s.labels.get("table"), s.labels.get("state")): s.value
+               for family in text_string_to_metric_families(prom.stdout) for s in family.samples}
+    assert [samples[("pled_table_state", n, "staging")] for n in NAMES] == [0, 0, 1], prom.stdout
+    assert [samples[("pled_table_state", n, "ready")] for n in NAMES] == [1, 1, 0], prom.stdout
     assert status_rows(st.stdout) == {"alpha": ("ready", "1"), "bravo": ("ready", "1"), "charlie": ("staging", "1")}
     assert js.returncode == 1 and json.loads(js.stdout)["healthy"] is False
     assert [t["state"] for t in json.loads(js.stdout)["tables"]] == ["ready", "ready", "staging"]

@@ -21,12 +21,21 @@ from mutations import Mutation  # noqa: E402
 
 JOURNAL = "tests/test_journal.py::"
 CODES = "tests/test_status_verify_codes.py::"
+ESCAPES = "tests/test_escapes.py::"
 
 MUTATIONS = [
     # The journal's native protocol: a value's length in bytes.
     Mutation("a multi-line journal value's length counted in characters, not bytes", "pled/daemon/health/journal.py",
              'struct.pack("<Q", len(data)) + data', 'struct.pack("<Q", len(value)) + data',
              (JOURNAL + "test_a_multi_line_message_in_other_scripts_arrives_whole_its_length_counted_in_bytes",)),
+    # The pled command's output: notes escaped; the Prometheus form printed with exit 0 while a table stages.
+    Mutation("pled status prints a table's notes (its error, its huge-page note) unescaped", "pled/cli.py",
+             'say(f"  note: {note}")', 'print(f"  note: {note}")',
+             (ESCAPES + "test_a_tables_error_and_its_huge_page_note_reach_the_terminal_escaped",)),
+    Mutation("pled status --format prometheus exits 1 while a table stages (a scrape script drops the figures)",
+             "pled/cli.py", "        sys.stdout.buffer.write(metrics.render(st))\n        return 0\n",
+             "        sys.stdout.buffer.write(metrics.render(st))\n        return code\n",
+             (CODES + "test_status_exits_1_while_one_of_three_tables_is_still_staging",)),
     # pled verify: a difference past the first chunk it reads.
     Mutation("pled verify names a difference by its offset in the chunk read, not in the file", "pled/verify.py",
              "at = done + _first_difference(", "at = _first_difference(",
