@@ -22,12 +22,21 @@ from mutations import Mutation  # noqa: E402
 JOURNAL = "tests/test_journal.py::"
 CODES = "tests/test_status_verify_codes.py::"
 ESCAPES = "tests/test_escapes.py::"
+WRITE_ONLY = "tests/test_systemd.py::test_a_stored_region_sealed_against_writing_only_is_not_adopted_and_is_staged_anew"
 
 MUTATIONS = [
     # The journal's native protocol: a value's length in bytes.
     Mutation("a multi-line journal value's length counted in characters, not bytes", "pled/daemon/health/journal.py",
              'struct.pack("<Q", len(data)) + data', 'struct.pack("<Q", len(value)) + data',
              (JOURNAL + "test_a_multi_line_message_in_other_scripts_arrives_whole_its_length_counted_in_bytes",)),
+    # A region sealed against writing only: it may still shrink under a client's mapping (SIGBUS).
+    Mutation("a memfd sealed against writing only counts as sealed (client and adoption alike)", "pled/shared/memfd.py",
+             "    if have & SEALS != SEALS:\n", "    if not have & fcntl.F_SEAL_WRITE:\n",
+             ("tests/test_client_untrusted.py::test_a_memfd_sealed_against_writes_only_is_refused", WRITE_ONLY)),
+    Mutation("adoption from the fd store checks only the write seal", "pled/daemon/systemd/fdstore.py",
+             "            region.check_sealed_memfd(item.fd)  # first,",
+             '            if not region.seals(item.fd) & 0x8: raise RegionError("not sealed")  # first,',
+             (WRITE_ONLY,)),
     # The pled command's output: notes escaped; the Prometheus form printed with exit 0 while a table stages.
     Mutation("pled status prints a table's notes (its error, its huge-page note) unescaped", "pled/cli.py",
              'say(f"  note: {note}")', 'print(f"  note: {note}")',
