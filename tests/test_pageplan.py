@@ -156,6 +156,44 @@ def test_the_preflight_counts_hugetlb_tables_against_their_pool_not_memory(tmp_p
     assert v.as_dict()["hugetlb"][0]["cgroup"]["headroom_bytes"] == 8 * MiB
 
 
+def test_tables_on_2m_and_1g_pages_at_once_each_count_against_their_own_pool_only(tmp_path, sidecar):
+    """Two page sizes in one config: a table on 2 MiB pages, one on a 1 GiB page, and a third that prefers 2 MiB
+    pages. Each takes from its own pool and is counted against that pool alone, as the kernel allocates them: the
+    1 GiB page leaves the 2 MiB pool's room to the third table, and the verdict has one line per pool. A fixture
+    tree stands in for /sys (this host may not give a 1 GiB page); the tables are real sidecars, planned by pled."""
+    from pled.daemon.regions import planning
+
+    h = host(tmp_path, {MiB2: (8, 6, 0), GiB: (2, 1, 0)}, available=512 * MiB)  # 12 MiB and 1 GiB free
+    root = str(tmp_path)
+    paths = {"a": sidecar(shards=3, rows=3000), "b": sidecar(shards=1, rows=300), "c": sidecar(shards=1, rows=200)}
+    c = cfg('huge_pages = "hugetlb"\nheadroom_margin = 0', [
+        f'[[table]]\nname = "a"\npath = "{paths["a"]}"\nhuge_page_size = "2M"\n',  # 4 pages of 2 MiB
+        f'[[table]]\nname = "b"\npath = "{paths["b"]}"\nhuge_page_size = "1G"\n',  # 4 MiB: 1 page of 1 GiB
+        f'[[table]]\nname = "c"\npath = "{paths["c"]}"\nhuge_pages = "prefer-hugetlb"\nhuge_page_size = "2M"\n'])
+    manifests = planning.plan_tables(planning.open_tables(c))
+    assert [manifests[n].region_bytes for n in "abc"] == [8 * MiB, 4 * MiB, 4 * MiB]
+    pages = planning.plan_pages(c, manifests, root)
+    assert [pages[n].page_size for n in "abc"] == [MiB2, GiB, MiB2]
+    assert pages["c"].reason == ('hugetlb 2 MiB pages (huge_pages = "prefer-hugetlb", pool has 2 free after the '
+                                 'tables before it (4 taken), needs 2)')
+    v = planning.run_preflight(c, manifests, root, pages)
+    assert v.ok, v.message
+    assert [(x.page_size, x.tables, x.available) for x in v.hugetlb] == [
+        (MiB2, {"a": 8 * MiB, "c": 4 * MiB}, 12 * MiB), (GiB, {"b": GiB}, GiB)]
+    assert v.message == (
+        "preflight passed: hugetlb: 12.0 MiB for tables a (8.0 MiB), c (4.0 MiB) on 2 MiB huge pages (6 pages), "
+        "12.0 MiB available (the 2 MiB pool: 6 of 8 pages free and not reserved); hugetlb: 1.0 GiB for table b on "
+        "1 GiB huge pages (1 pages; b's 4.0 MiB rounded up to 1.0 GiB: whole pages), 1.0 GiB available (the 1 GiB "
+        "pool: 1 of 2 pages free and not reserved)")
+    # One pool short: refused naming that pool alone; the other one's tables are not in its figures.
+    h.file("/sys/kernel/mm/hugepages/hugepages-1048576kB/free_hugepages", "0\n")
+    v = planning.run_preflight(c, manifests, root, pages)
+    assert not v.ok and [x.ok for x in v.hugetlb] == [True, False]
+    assert v.message.startswith("pled needs 1.0 GiB for table b on 1 GiB huge pages (1 pages; b's 4.0 MiB rounded up "
+                                "to 1.0 GiB: whole pages) but only 0.0 KiB (0 pages) is available"), v.message
+    assert "2 MiB" not in v.message
+
+
 def test_a_plan_rounded_to_whole_pages_changes_only_its_size(sidecar):
     from pled.daemon.sources.sidecar import open_table
     from pled.shared import region

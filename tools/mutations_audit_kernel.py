@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mutations import Mutation  # noqa: E402
 
 JOURNAL = "tests/test_journal.py::"
+TWO_SIZES = "tests/test_pageplan.py::test_tables_on_2m_and_1g_pages_at_once_each_count_against_their_own_pool_only"
 CODES = "tests/test_status_verify_codes.py::"
 ESCAPES = "tests/test_escapes.py::"
 WRITE_ONLY = "tests/test_systemd.py::test_a_stored_region_sealed_against_writing_only_is_not_adopted_and_is_staged_anew"
@@ -29,6 +30,20 @@ MUTATIONS = [
     Mutation("a multi-line journal value's length counted in characters, not bytes", "pled/daemon/health/journal.py",
              'struct.pack("<Q", len(data)) + data', 'struct.pack("<Q", len(value)) + data',
              (JOURNAL + "test_a_multi_line_message_in_other_scripts_arrives_whole_its_length_counted_in_bytes",)),
+    # Huge-page pools as the kernel has them: a parent cgroup's limit; two page sizes, each its own pool.
+    Mutation("the hugetlb cgroup's limit read on pled's own cgroup only, not on the levels above it",
+             "pled/daemon/memory/hugetlb.py", "    for level, directory in place.upwards():\n",
+             "    for level, directory in list(place.upwards())[:1]:\n",
+             ("tests/test_hugetlb_tables.py::test_a_hugetlb_limit_on_a_parent_cgroup_is_honoured_by_the_preflight",)),
+    Mutation("every hugetlb table counted against the pool of every page size", "pled/daemon/memory/preflight.py",
+             "{n: tables[n] for n, (s, _) in huge.items() if s == size},\n"
+             "                                 {n: b for n, (s, b) in huge.items() if s == size}",
+             "{n: tables[n] for n, (s, _) in huge.items()},\n"
+             "                                 {n: b for n, (s, b) in huge.items()}",
+             (TWO_SIZES,)),
+    Mutation("a hugetlb table's pages taken from the 2 MiB pool's room whatever their size",
+             "pled/daemon/memory/pageplan.py", "            pools.take(page_size, need)\n",
+             "            pools.take(PMD_SIZE, need)\n", (TWO_SIZES,)),
     # A region sealed against writing only: it may still shrink under a client's mapping (SIGBUS).
     Mutation("a memfd sealed against writing only counts as sealed (client and adoption alike)", "pled/shared/memfd.py",
              "    if have & SEALS != SEALS:\n", "    if not have & fcntl.F_SEAL_WRITE:\n",
