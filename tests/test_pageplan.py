@@ -1,7 +1,9 @@
 """Which pages each table gets (pled/daemon/memory/pageplan.py) and how the preflight counts reserved huge pages
 (pled/daemon/memory/preflight.py), over fixture trees of /sys and /proc: no root, no pool. tests/test_hugetlb_tables.py
 does the same against the real kernel with a real pled."""
+import contextlib
 import dataclasses
+import json
 import os
 
 import pytest
@@ -283,3 +285,51 @@ def test_pled_refuses_a_bad_setting_in_one_line_naming_the_file_and_the_key(tmp_
         refusal = [line for line in done.stderr.splitlines() if "ERROR" in line]
         assert done.returncode == 78 and len(refusal) == 1, done.stderr
         assert f"{cfg}: {words}" in refusal[0], refusal
+
+
+@pytest.mark.daemon
+@pytest.mark.parametrize("pages", ["shared memory", pytest.param("hugetlb", marks=pytest.mark.root)])
+def test_where_the_kernel_refuses_mbind_and_set_mempolicy_tables_are_staged_unplaced_and_the_log_says_why(
+        tmp_path, sidecar, pages):
+    """pled under a system-call filter that answers EPERM to mbind and set_mempolicy (a unit's SystemCallFilter=
+    without pled's exception for them, a container runtime's seccomp profile without CAP_SYS_NICE), a real one
+    (tests/syscall_filter.py): a table on shared memory (mbind) or on reserved huge pages (set_mempolicy) is staged
+    and served unplaced, and the log says so and why; a numa key set in the config, a placement asked for and
+    impossible here, is refused (78) naming the key."""
+    import syscall_filter
+    from harness import Daemon, run_pled, start, write_config
+    from hugepool import reserve
+    from pled import client
+    from pled.shared import protocol
+
+    try:
+        prefix = syscall_filter.prefix(["mbind", "set_mempolicy"])
+    except syscall_filter.Unsupported as err:
+        pytest.skip(str(err))
+    keys = {"huge_pages": "hugetlb", "huge_page_size": "2M"} if pages == "hugetlb" else {}
+    d = sidecar(shards=3, rows=3000)
+    with reserve(8) if pages == "hugetlb" else contextlib.nullcontext():
+        pled = start(tmp_path, {"t": d}, name="filtered", prefix=prefix, **keys)
+        try:
+            log = pled.log()
+            assert "; NUMA not placed: the kernel refuses mbind/set_mempolicy here (Operation not permitted)" in log
+            assert "table t staged:" in log and "sealed, NUMA" not in log  # staged, and no policy claimed
+            done = run_pled("status", "--json", "--socket", pled.socket)
+            (t,) = json.loads(done.stdout)["tables"]
+            # No policy: shared memory's own is the default one; reserved pages keep none, and none was applied.
+            unplaced = None if pages == "hugetlb" else "default"
+            assert (done.returncode, t["state"], t["numa"]["policy"]) == (0, "ready", unplaced), done.stdout
+            assert t["huge_page_policy"] == ("hugetlb" if pages == "hugetlb" else t["huge_page_policy"])
+            with client.attach("t", socket=pled.socket) as table:
+                for s in table.shards:
+                    with open(s.path, "rb") as f:
+                        assert table.buffer[s.offset:s.offset + s.size] == f.read()
+            assert client.call(protocol.PING, socket=pled.socket) == {}
+        finally:
+            assert pled.stop() == 0
+        cfg = write_config(tmp_path / "numa.toml", {"t": d}, headroom_margin=0, numa="interleave", **keys)
+        refused = Daemon(cfg, prefix=prefix)
+        assert refused.wait(30) == 78
+        assert ("key numa: NUMA placement is asked for, but the kernel refuses mbind/set_mempolicy here (Operation "
+                "not permitted); allow mbind and set_mempolicy (the unit's SystemCallFilter=), or leave numa out"
+                ) in refused.log(), refused.log()

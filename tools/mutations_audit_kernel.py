@@ -20,6 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mutations import Mutation  # noqa: E402
 
 JOURNAL = "tests/test_journal.py::"
+REFUSED = ("tests/test_pageplan.py::"
+           "test_where_the_kernel_refuses_mbind_and_set_mempolicy_tables_are_staged_unplaced_and_the_log_says_why")
 TWO_SIZES = "tests/test_pageplan.py::test_tables_on_2m_and_1g_pages_at_once_each_count_against_their_own_pool_only"
 CODES = "tests/test_status_verify_codes.py::"
 ESCAPES = "tests/test_escapes.py::"
@@ -44,6 +46,13 @@ MUTATIONS = [
     Mutation("a hugetlb table's pages taken from the 2 MiB pool's room whatever their size",
              "pled/daemon/memory/pageplan.py", "            pools.take(page_size, need)\n",
              "            pools.take(PMD_SIZE, need)\n", (TWO_SIZES,)),
+    # NUMA where the kernel refuses the call (a system-call filter answering EPERM).
+    Mutation("a region placed by its NUMA policy even where the kernel refuses mbind/set_mempolicy",
+             "pled/daemon/regions/regionfd.py",
+             "policy = pages.numa if pages is not None and not pages.numa.refused else None",
+             "policy = pages.numa if pages is not None else None", (REFUSED,)),
+    Mutation("whether the kernel refuses mbind/set_mempolicy never asked", "pled/daemon/memory/pageplan.py",
+             '    refused = numa.refused() if root == "/" else ""\n', '    refused = ""\n', (REFUSED,)),
     # A region sealed against writing only: it may still shrink under a client's mapping (SIGBUS).
     Mutation("a memfd sealed against writing only counts as sealed (client and adoption alike)", "pled/shared/memfd.py",
              "    if have & SEALS != SEALS:\n", "    if not have & fcntl.F_SEAL_WRITE:\n",
