@@ -69,6 +69,13 @@ MUTATIONS = [
              "pled/cli.py", "        sys.stdout.buffer.write(metrics.render(st))\n        return 0\n",
              "        sys.stdout.buffer.write(metrics.render(st))\n        return code\n",
              (CODES + "test_status_exits_1_while_one_of_three_tables_is_still_staging",)),
+    # A kill -9 at each point of a start: the next start is not blocked by what the dead one left.
+    Mutation("a stale socket left by a killed pled refused like a live one (the next start fails)",
+             "pled/daemon/serving/listener.py",
+             '            log.info("removing stale socket %s left by a daemon that is gone", path)\n'
+             "            os.unlink(path)\n",
+             '            raise SocketInUse(f"{path} exists; remove it if no pled is running")\n',
+             ("tests/test_faults.py::test_kill_9_at_each_point_of_staging_pled_reports_leaves_nothing_behind",)),
     # pled verify: a difference past the first chunk it reads.
     Mutation("pled verify names a difference by its offset in the chunk read, not in the file", "pled/verify.py",
              "at = done + _first_difference(", "at = _first_difference(",
