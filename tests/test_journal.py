@@ -161,7 +161,7 @@ def test_a_multi_line_message_in_other_scripts_arrives_whole_its_length_counted_
         try:
             raise OSError(5, "ünïcödé — /srv/モデル/ples_int4/shard_0.safetensors ✓")
         except OSError:
-            log.exception("staging table %s failed", "πίνακας", extra=journal.fields(table="πίνακας"))
+            log.warning("staging table %s failed", "πίνακας", exc_info=True, extra=journal.fields(table="πίνακας"))
 
     try:
         handler.path = raw.getsockname()
@@ -173,7 +173,7 @@ def test_a_multi_line_message_in_other_scripts_arrives_whole_its_length_counted_
     assert data.startswith(b"MESSAGE\n"), data[:100]
     (length,) = struct.unpack("<Q", data[8:16])
     message = data[16:16 + length].decode(errors="replace")  # its bytes: a length in characters cuts it short
-    assert data[16 + length:].startswith(b"\nPRIORITY=3\nSYSLOG_IDENTIFIER=pled\n"), data[16 + length - 40:][:120]
+    assert data[16 + length:].startswith(b"\nPRIORITY=4\nSYSLOG_IDENTIFIER=pled\n"), data[16 + length - 40:][:120]
     lines = message.split("\n")
     assert lines[0] == "staging table πίνακας failed" and lines[1] == "Traceback (most recent call last):"
     assert lines[-1] == "OSError: [Errno 5] ünïcödé — /srv/モデル/ples_int4/shard_0.safetensors ✓"
@@ -182,7 +182,7 @@ def test_a_multi_line_message_in_other_scripts_arrives_whole_its_length_counted_
     fail()  # and as journald reads it
     wait_until(lambda: js.entries or js.errors, 10)
     assert js.errors == [] and js.entries[0]["MESSAGE"] == [message], js.errors
-    assert (js.entries[0]["PRIORITY"], js.entries[0]["PLED_TABLE"]) == (["3"], ["πίνακας"])
+    assert (js.entries[0]["PRIORITY"], js.entries[0]["PLED_TABLE"]) == (["4"], ["πίνακας"])
     assert stderr.read_text() == ""
 
 
