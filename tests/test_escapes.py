@@ -5,13 +5,15 @@ without ProtectProc=, in containers, or for clients running as root or as user p
 a file's text quoted in an error are full of ESC, BEL, the C1 CSI U+009B and U+2028. `pled status`, pled's
 log and systemd's STATUS= must show them escaped.
 """
+import json
 import os
 import subprocess
 import sys
 
 import pytest
 
-from harness import Daemon, run_pled, wait_until, write_config
+from fakeserver import FakeServer
+from harness import Daemon, run_pled, start, wait_until, write_config
 from pled import client
 from pled.shared import protocol
 
@@ -95,3 +97,29 @@ def test_clip_costs_what_it_shows_whatever_the_length_of_the_text():
     small, large = "\x7f" * 1024, "\x7f" * (8 << 20)
     assert clip(large, 200) == "\\x7f" * 50 + f"... ({8 << 20} characters)"
     assert median(large) < 5 * median(small), (median(large), median(small))
+
+
+def test_a_tables_error_and_its_huge_page_note_reach_the_terminal_escaped(tmp_path, sidecar):
+    """`pled status` prints a note per table: its error (a staging that failed names its file, whose path is the
+    operator's or a file's, not pled's) and its huge-page note. Whatever they hold, and whatever answers at the
+    socket (a pled of another version), the terminal gets them escaped. The reply is a real pled's Status with
+    those two keys filled in, served by a stand-in (tests/fakeserver.py): a running pled shows an error only in the
+    moment before it exits."""
+    pled = start(tmp_path, {"t1": sidecar(shards=2, rows=64)}, name="real")
+    try:
+        st = client.call(protocol.STATUS, socket=pled.socket)
+    finally:
+        assert pled.stop() == 0
+    (table,) = st["tables"]
+    table["state"] = "failed"
+    table["error"] = f"reading /srv/{EVIL[3]}/shard_0.safetensors failed at offset 0: Input/output error{EVIL[0]}"
+    table["huge_page_note"] = f"4 KiB/THP pages as \"auto\": {EVIL[1]} {EVIL[2]}"
+    server = FakeServer(str(tmp_path / "stand-in.sock"), json.dumps({"parameters": st}).encode())
+    shown = run_pled("status", "--socket", server.path)
+    server.join()
+    assert shown.returncode == 1, shown.stdout + shown.stderr  # a failed table is not healthy
+    notes = [line for line in shown.stdout.splitlines() if line.startswith("  note: t1: ")]
+    assert ("  note: t1: reading /srv/\\x1b[2K\\r\\x1b[31mERROR table t1 DIFFERS from disk\\x1b[0m/"
+            "shard_0.safetensors failed at offset 0: Input/output error\\x1b]0;pwned\\x07") in notes, shown.stdout
+    assert '  note: t1: 4 KiB/THP pages as "auto": \\x9b2J a\\u2028b\\u202e' in notes, shown.stdout
+    assert raw_control(shown.stdout) == [], shown.stdout

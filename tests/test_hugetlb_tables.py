@@ -124,6 +124,30 @@ def test_a_hugetlb_cgroup_limit_below_the_table_is_refused_at_once(tmp_path, tab
         print(f"refused with 78 in {took:.2f} s (the whole process, Python's start included)")
 
 
+def test_a_hugetlb_limit_on_a_parent_cgroup_is_honoured_by_the_preflight(tmp_path, table_dir):
+    """A pod's (or a slice's) hugetlb limit binds every cgroup under it: pled in a child cgroup with no limit of its
+    own, under a parent allowed 2 pages, is refused at once with 78, the parent named with its figures, before
+    any page is taken; without that check the allocation itself would fail, and pled exit 1 into a restart loop."""
+    with reserve(8) as given, hugetlb_cgroup_v1(tmp_path) as cg:
+        if given < 4:
+            pytest.skip(f"this host gave {given} of 8 pages of 2 MiB asked")
+        pod = cg.child("pod", {MiB2: 2 * MiB2})
+        leaf = cg.child("pod/pled", {})
+        assert int((leaf / "hugetlb.2MB.limit_in_bytes").read_text()) > given * MiB2  # the leaf: no limit of its own
+        cfg = write_config(tmp_path / "pled.toml", {"t": table_dir}, huge_pages="hugetlb", headroom_margin=0)
+        before = hugetlb.pool(MiB2)
+        pled = Daemon(cfg, cgroup=leaf)
+        try:
+            assert pled.wait(30) == 78, pled.log()
+        finally:
+            pled.stop()  # a pled that was not refused gives its pages back before the pool shrinks
+        log = pled.log()
+        assert "but only 4.0 MiB (2 pages) is available" in log, log
+        assert "hugetlb cgroup /pod allows 4.0 MiB more (limit 4.0 MiB, 0.0 KiB used)" in log, log
+        assert "raise the hugetlb cgroup's limit" in log and "shard 1/3" not in log
+        assert cg.usage(pod) == 0 and cg.usage(leaf) == 0 and hugetlb.pool(MiB2) == before
+
+
 def test_prefer_hugetlb_without_room_serves_on_shared_memory_and_says_why(tmp_path, table_dir, daemon):
     with reserve(1):
         before = hugetlb.pool(MiB2)

@@ -146,6 +146,46 @@ def test_no_value_can_end_its_field_and_start_another(journald):
     assert journal.field("PLED_TABLE", "t") == b"PLED_TABLE=t\n"
 
 
+def test_a_multi_line_message_in_other_scripts_arrives_whole_its_length_counted_in_bytes(journald):
+    """A failure logged with its traceback, about a table named in Greek and a path in Japanese: MESSAGE holds
+    several lines, so it goes in the binary form, its 64-bit little-endian length the count of its UTF-8 bytes (not
+    of its characters), and journald reads the whole message and then the next field. Read here twice: the datagram
+    byte by byte, as the protocol lays it out, and parsed as journald parses it (harness.JournalSocket)."""
+    log, js, stderr = journald
+    raw = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # a journal socket of its own: the datagram unparsed
+    raw.bind(str(Path(js.path).parent / "raw.sock"))
+    raw.settimeout(10)
+    handler = log.handlers[0]
+
+    def fail():
+        try:
+            raise OSError(5, "ünïcödé — /srv/モデル/ples_int4/shard_0.safetensors ✓")
+        except OSError:
+            log.warning("staging table %s failed", "πίνακας", exc_info=True, extra=journal.fields(table="πίνακας"))
+
+    try:
+        handler.path = raw.getsockname()
+        fail()
+        data = raw.recv(1 << 20)
+    finally:
+        handler.path = js.path
+        raw.close()
+    assert data.startswith(b"MESSAGE\n"), data[:100]
+    (length,) = struct.unpack("<Q", data[8:16])
+    message = data[16:16 + length].decode(errors="replace")  # its bytes: a length in characters cuts it short
+    assert data[16 + length:].startswith(b"\nPRIORITY=4\nSYSLOG_IDENTIFIER=pled\n"), data[16 + length - 40:][:120]
+    lines = message.split("\n")
+    assert lines[0] == "staging table πίνακας failed" and lines[1] == "Traceback (most recent call last):"
+    assert lines[-1] == "OSError: [Errno 5] ünïcödé — /srv/モデル/ples_int4/shard_0.safetensors ✓"
+    assert len(message) < length  # more bytes than characters: where the two counts part
+    assert b"\nPLED_TABLE=" + "πίνακας".encode() + b"\n" in data
+    fail()  # and as journald reads it
+    wait_until(lambda: js.entries or js.errors, 10)
+    assert js.errors == [] and js.entries[0]["MESSAGE"] == [message], js.errors
+    assert (js.entries[0]["PRIORITY"], js.entries[0]["PLED_TABLE"]) == (["4"], ["πίνακας"])
+    assert stderr.read_text() == ""
+
+
 def test_an_entry_too_big_for_a_datagram_goes_in_a_sealed_memfd(journald):
     log, js, stderr = journald
     log.info("%s", "x" * 400_000, extra=journal.fields(table="big"))  # over the socket's send buffer (212992)

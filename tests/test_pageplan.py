@@ -1,7 +1,9 @@
 """Which pages each table gets (pled/daemon/memory/pageplan.py) and how the preflight counts reserved huge pages
 (pled/daemon/memory/preflight.py), over fixture trees of /sys and /proc: no root, no pool. tests/test_hugetlb_tables.py
 does the same against the real kernel with a real pled."""
+import contextlib
 import dataclasses
+import json
 import os
 
 import pytest
@@ -156,6 +158,44 @@ def test_the_preflight_counts_hugetlb_tables_against_their_pool_not_memory(tmp_p
     assert v.as_dict()["hugetlb"][0]["cgroup"]["headroom_bytes"] == 8 * MiB
 
 
+def test_tables_on_2m_and_1g_pages_at_once_each_count_against_their_own_pool_only(tmp_path, sidecar):
+    """Two page sizes in one config: a table on 2 MiB pages, one on a 1 GiB page, and a third that prefers 2 MiB
+    pages. Each takes from its own pool and is counted against that pool alone, as the kernel allocates them: the
+    1 GiB page leaves the 2 MiB pool's room to the third table, and the verdict has one line per pool. A fixture
+    tree stands in for /sys (this host may not give a 1 GiB page); the tables are real sidecars, planned by pled."""
+    from pled.daemon.regions import planning
+
+    h = host(tmp_path, {MiB2: (8, 6, 0), GiB: (2, 1, 0)}, available=512 * MiB)  # 12 MiB and 1 GiB free
+    root = str(tmp_path)
+    paths = {"a": sidecar(shards=3, rows=3000), "b": sidecar(shards=1, rows=300), "c": sidecar(shards=1, rows=200)}
+    c = cfg('huge_pages = "hugetlb"\nheadroom_margin = 0', [
+        f'[[table]]\nname = "a"\npath = "{paths["a"]}"\nhuge_page_size = "2M"\n',  # 4 pages of 2 MiB
+        f'[[table]]\nname = "b"\npath = "{paths["b"]}"\nhuge_page_size = "1G"\n',  # 4 MiB: 1 page of 1 GiB
+        f'[[table]]\nname = "c"\npath = "{paths["c"]}"\nhuge_pages = "prefer-hugetlb"\nhuge_page_size = "2M"\n'])
+    manifests = planning.plan_tables(planning.open_tables(c))
+    assert [manifests[n].region_bytes for n in "abc"] == [8 * MiB, 4 * MiB, 4 * MiB]
+    pages = planning.plan_pages(c, manifests, root)
+    assert [pages[n].page_size for n in "abc"] == [MiB2, GiB, MiB2]
+    assert pages["c"].reason == ('hugetlb 2 MiB pages (huge_pages = "prefer-hugetlb", pool has 2 free after the '
+                                 'tables before it (4 taken), needs 2)')
+    v = planning.run_preflight(c, manifests, root, pages)
+    assert v.ok, v.message
+    assert [(x.page_size, x.tables, x.available) for x in v.hugetlb] == [
+        (MiB2, {"a": 8 * MiB, "c": 4 * MiB}, 12 * MiB), (GiB, {"b": GiB}, GiB)]
+    assert v.message == (
+        "preflight passed: hugetlb: 12.0 MiB for tables a (8.0 MiB), c (4.0 MiB) on 2 MiB huge pages (6 pages), "
+        "12.0 MiB available (the 2 MiB pool: 6 of 8 pages free and not reserved); hugetlb: 1.0 GiB for table b on "
+        "1 GiB huge pages (1 pages; b's 4.0 MiB rounded up to 1.0 GiB: whole pages), 1.0 GiB available (the 1 GiB "
+        "pool: 1 of 2 pages free and not reserved)")
+    # One pool short: refused naming that pool alone; the other one's tables are not in its figures.
+    h.file("/sys/kernel/mm/hugepages/hugepages-1048576kB/free_hugepages", "0\n")
+    v = planning.run_preflight(c, manifests, root, pages)
+    assert not v.ok and [x.ok for x in v.hugetlb] == [True, False]
+    assert v.message.startswith("pled needs 1.0 GiB for table b on 1 GiB huge pages (1 pages; b's 4.0 MiB rounded up "
+                                "to 1.0 GiB: whole pages) but only 0.0 KiB (0 pages) is available"), v.message
+    assert "2 MiB" not in v.message
+
+
 def test_a_plan_rounded_to_whole_pages_changes_only_its_size(sidecar):
     from pled.daemon.sources.sidecar import open_table
     from pled.shared import region
@@ -245,3 +285,51 @@ def test_pled_refuses_a_bad_setting_in_one_line_naming_the_file_and_the_key(tmp_
         refusal = [line for line in done.stderr.splitlines() if "ERROR" in line]
         assert done.returncode == 78 and len(refusal) == 1, done.stderr
         assert f"{cfg}: {words}" in refusal[0], refusal
+
+
+@pytest.mark.daemon
+@pytest.mark.parametrize("pages", ["shared memory", pytest.param("hugetlb", marks=pytest.mark.root)])
+def test_where_the_kernel_refuses_mbind_and_set_mempolicy_tables_are_staged_unplaced_and_the_log_says_why(
+        tmp_path, sidecar, pages):
+    """pled under a system-call filter that answers EPERM to mbind and set_mempolicy (a unit's SystemCallFilter=
+    without pled's exception for them, a container runtime's seccomp profile without CAP_SYS_NICE), a real one
+    (tests/syscall_filter.py): a table on shared memory (mbind) or on reserved huge pages (set_mempolicy) is staged
+    and served unplaced, and the log says so and why; a numa key set in the config, a placement asked for and
+    impossible here, is refused (78) naming the key."""
+    import syscall_filter
+    from harness import Daemon, run_pled, start, write_config
+    from hugepool import reserve
+    from pled import client
+    from pled.shared import protocol
+
+    try:
+        prefix = syscall_filter.prefix(["mbind", "set_mempolicy"])
+    except syscall_filter.Unsupported as err:
+        pytest.skip(str(err))
+    keys = {"huge_pages": "hugetlb", "huge_page_size": "2M"} if pages == "hugetlb" else {}
+    d = sidecar(shards=3, rows=3000)
+    with reserve(8) if pages == "hugetlb" else contextlib.nullcontext():
+        pled = start(tmp_path, {"t": d}, name="filtered", prefix=prefix, **keys)
+        try:
+            log = pled.log()
+            assert "; NUMA not placed: the kernel refuses mbind/set_mempolicy here (Operation not permitted)" in log
+            assert "table t staged:" in log and "sealed, NUMA" not in log  # staged, and no policy claimed
+            done = run_pled("status", "--json", "--socket", pled.socket)
+            (t,) = json.loads(done.stdout)["tables"]
+            # No policy: shared memory's own is the default one; reserved pages keep none, and none was applied.
+            unplaced = None if pages == "hugetlb" else "default"
+            assert (done.returncode, t["state"], t["numa"]["policy"]) == (0, "ready", unplaced), done.stdout
+            assert t["huge_page_policy"] == ("hugetlb" if pages == "hugetlb" else t["huge_page_policy"])
+            with client.attach("t", socket=pled.socket) as table:
+                for s in table.shards:
+                    with open(s.path, "rb") as f:
+                        assert table.buffer[s.offset:s.offset + s.size] == f.read()
+            assert client.call(protocol.PING, socket=pled.socket) == {}
+        finally:
+            assert pled.stop() == 0
+        cfg = write_config(tmp_path / "numa.toml", {"t": d}, headroom_margin=0, numa="interleave", **keys)
+        refused = Daemon(cfg, prefix=prefix)
+        assert refused.wait(30) == 78
+        assert ("key numa: NUMA placement is asked for, but the kernel refuses mbind/set_mempolicy here (Operation "
+                "not permitted); allow mbind and set_mempolicy (the unit's SystemCallFilter=), or leave numa out"
+                ) in refused.log(), refused.log()

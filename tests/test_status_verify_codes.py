@@ -4,7 +4,9 @@ What the codes mean (README's command table, pled/cli.py, pled/verify.py, pled/s
 
     pled status    0 every table ready and fully resident; 1 a table not ready or not fully resident;
                    3 pled not running, or not answering within --timeout. With --live (the liveness probe):
-                   0 whenever pled answers, staging or not; 3 otherwise. ``sources`` (in --json) says whether a
+                   0 whenever pled answers, staging or not; 3 otherwise. With --format prometheus (a scrape
+                   script keeps its output on exit 0 only): 0 whenever pled answers, its figures saying what is
+                   not ready; 3 otherwise, nothing printed. ``sources`` (in --json) says whether a
                    table's files are still as staged, and does not enter the exit status.
     pled verify    0 every shard of every table (or of the one named) identical to its file; 1 any difference,
                    a source it cannot compare, or a table it cannot attach (not ready), each named, the other
@@ -19,6 +21,7 @@ import os
 import signal
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from harness import Daemon, run_pled, wait_until
 from pled import client
@@ -87,6 +90,8 @@ def test_status_and_verify_exit_0_for_three_good_tables_and_3_once_pled_is_gone(
     for command in ("status", "verify"):
         gone = run_pled(command, "--socket", pled.socket)
         assert gone.returncode == 3 and "pled is not running" in gone.stderr, (command, gone.stderr)
+    gone = run_pled("status", "--format", "prometheus", "--socket", pled.socket)
+    assert (gone.returncode, gone.stdout) == (3, "") and "pled is not running" in gone.stderr, gone.stderr
 
 
 @pytest.mark.daemon
@@ -148,17 +153,25 @@ def test_sources_reports_a_same_size_rewrite_by_its_mtime_and_verify_by_its_byte
 @pytest.mark.daemon
 def test_status_exits_1_while_one_of_three_tables_is_still_staging(tmp_path, daemon):
     """Tables are staged one after another in config order; with staging held to 1 MB/s the last one (19 MiB)
-    stages for about 20 s after the first two are ready. pled is stopped long before it is done."""
+    stages for about 20 s after the first two are ready. pled is stopped long before it is done. Meanwhile `pled
+    status` exits 1, and `pled status --format prometheus` exits 0 with the figures that say so."""
     pled = daemon(three_tables(tmp_path, charlie=110_000), wait="listening on", staging_bandwidth="1MB/s")
     states = lambda: {t["table"]: t["state"] for t in client.call(protocol.STATUS, socket=pled.socket)["tables"]}  # noqa: E731
     wait_until(lambda: states()["bravo"] == "ready", 10, message=lambda: f"{states()}")
 
     st = run_pled("status", "--socket", pled.socket)
     js = run_pled("status", "--json", "--socket", pled.socket)
+    prom = run_pled("status", "--format", "prometheus", "--socket", pled.socket)
     v = run_pled("verify", "--socket", pled.socket)
     one = run_pled("verify", "alpha", "--socket", pled.socket)
     assert states()["charlie"] == "staging", "charlie finished staging during the checks: slow it down further"
     assert st.returncode == 1, st.stdout + st.stderr
+    # A scrape script keeps the Prometheus text only on exit 0: printed, exit 0, the figures saying it stages.
+    assert prom.returncode == 0 and prom.stderr == "", prom.stdout + prom.stderr
+    samples = {(s.name, s.labels.get("table"), s.labels.get("state")): s.value
+               for family in text_string_to_metric_families(prom.stdout) for s in family.samples}
+    assert [samples[("pled_table_state", n, "staging")] for n in NAMES] == [0, 0, 1], prom.stdout
+    assert [samples[("pled_table_state", n, "ready")] for n in NAMES] == [1, 1, 0], prom.stdout
     assert status_rows(st.stdout) == {"alpha": ("ready", "1"), "bravo": ("ready", "1"), "charlie": ("staging", "1")}
     assert js.returncode == 1 and json.loads(js.stdout)["healthy"] is False
     assert [t["state"] for t in json.loads(js.stdout)["tables"]] == ["ready", "ready", "staging"]
@@ -194,3 +207,31 @@ def test_verify_goes_on_past_a_source_it_cannot_compare_and_names_it(tmp_path, d
     assert "[1/2] alpha/shard_0.safetensors: cannot be compared: the source is a FIFO, not a regular file" in v.stdout
     assert verdicts(v.stdout) == {"alpha": "1 shard(s) differ", "bravo": "all shards identical",
                                   "charlie": "all shards identical"}, v.stdout
+
+
+@pytest.mark.daemon
+def test_verify_names_the_byte_and_both_values_of_a_difference_past_its_first_read(tmp_path, daemon):
+    """`pled verify` reads a file CHUNK (16 MiB) at a time; in a 20 MB shard whose bytes differ only in its second
+    read (two bytes, 300 apart), it names the first of them by its offset in the file and the values the region and
+    the file hold there, as it does for one in the first read."""
+    from pled.verify import CHUNK
+
+    src = tmp_path / "big"
+    make_sidecar(str(src), "ples_int4", shards=1, rows=200_000)  # one shard of 20,000,224 bytes
+    shard = src / "shard_0.safetensors"
+    size = shard.stat().st_size
+    first, second = CHUNK + 1_234_567, CHUNK + 1_234_867
+    assert CHUNK < first < second < size and size < 2 * CHUNK  # both in the second read, the last one
+    pled = daemon({"t": src})
+    with open(shard, "r+b") as f:
+        was = []
+        for at in (first, second):
+            f.seek(at)
+            was.append(f.read(1)[0])
+            f.seek(at)
+            f.write(bytes([was[-1] ^ 0xA5]))  # the same size and header, other content
+    v = run_pled("verify", "t", "--socket", pled.socket)
+    assert v.returncode == 1, v.stdout + v.stderr
+    assert (f"[1/1] t/shard_0.safetensors: DIFFERS at byte {first}: the region has 0x{was[0]:02x}, the file "
+            f"0x{was[0] ^ 0xA5:02x}") in v.stdout.splitlines(), v.stdout
+    assert verdicts(v.stdout) == {"t": "1 shard(s) differ"}

@@ -126,6 +126,46 @@ def test_changed_sources_are_staged_anew_and_the_old_entry_removed(tmp_path, not
     assert "table t: shard 3/3" in text
 
 
+def test_a_stored_region_sealed_against_writing_only_is_not_adopted_and_is_staged_anew(tmp_path, notify_socket):
+    """The very bytes pled staged, in a memfd sealed against writes but not against shrinking, growing or more seals:
+    not a region. Whoever holds it may still shrink it (shown below), and a client reading the pages past the new end
+    would die of SIGBUS. So the next start removes it from the store and stages the table anew: the clients map a
+    region with all four seals, whatever happens to that memfd."""
+    import fcntl
+
+    d = tmp_path / "sc"
+    make_sidecar(str(d), "ples_int4", shards=3, rows=1000)
+    cfg = write_config(tmp_path / "pled.toml", {"t": d}, headroom_margin=0)
+    sealed, _ = _stage_once(cfg, tmp_path)
+    size = os.fstat(sealed).st_size
+    fd = os.memfd_create("pled:t", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.write(fd, os.pread(sealed, size, 0))
+    os.close(sealed)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
+    assert region.read_manifest(fd).table == "t" and region.seals(fd) == fcntl.F_SEAL_WRITE
+    log = tmp_path / "second.log"
+    proc = Daemon(cfg, env={"NOTIFY_SOCKET": notify_socket.path}, fds=[(os.dup(fd), "pled.1.t")], log=log)
+    try:
+        notify_socket.wait_for("READY=1")
+        sock = str(tmp_path / "run/pled.sock")
+        (t,) = client.call(protocol.STATUS, socket=sock)["tables"]
+        assert (t["origin"], t["generation"], t["sealed"], t["bytes_done"]) == ("staged", 2, True, t["bytes"])
+        with client.attach("t", socket=sock) as table:
+            os.ftruncate(fd, 0)  # what the memfd offered allowed all along
+            for s in table.shards:
+                with open(s.path, "rb") as f:
+                    assert table.buffer[s.offset : s.offset + s.size] == f.read()
+    finally:
+        os.close(fd)
+        assert proc.stop() == 0
+    lines = notify_socket.lines()
+    removed = lines.index("FDSTOREREMOVE=1")
+    assert lines[removed + 1] == "FDNAME=pled.1.t" and notify_socket.stored()[0][0] == "pled.2.t"
+    text = log.read_text()
+    assert f"not a usable region (fd 3 is not sealed (seals {fcntl.F_SEAL_WRITE:#x}; a region has " in text, text
+    assert "table t: shard 3/3" in text and "table t adopted" not in text
+
+
 def test_unrecognised_stored_fds_are_removed(sidecar, tmp_path, notify_socket):
     cfg = write_config(tmp_path / "pled.toml", {"t": sidecar(shards=1, rows=10)}, headroom_margin=0)
     junk = os.memfd_create("junk")
