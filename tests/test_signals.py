@@ -1,5 +1,6 @@
 """Every asynchronous signal has a named action in a real `pled serve` (lifecycle.py's table): none of them
-ends it silently with the default action, leaving its socket file behind and systemd without STOPPING=1."""
+ends it silently with the default action, leaving its socket file behind and systemd without STOPPING=1; and once
+it has handled them, an idle pled sleeps."""
 import os
 import signal
 from pathlib import Path
