@@ -1,10 +1,13 @@
 """Helpers for the attack tests (tests/test_attack_*.py, tests/test_fd_ownership.py): raw calls, replies left
 waiting in pled, and the checks that a daemon still serves afterwards with its fds and RSS back where they were.
 The daemons themselves are started with tests/harness.py (low fd limits, setpriv, code patched in)."""
+import fcntl
 import json
 import os
 import select
 import socket
+import struct
+import termios
 import time
 from pathlib import Path
 
@@ -146,3 +149,48 @@ def read_all(s: socket.socket, quiet: float = 1.0) -> tuple[bytes, list[int]]:
         data += chunk
         if not chunk:
             return data, fds
+
+
+# -- waiting for what pled has done, never for a quiet moment -------------------------------------------------------
+
+def reply_size(sock_path: str, call: bytes) -> int:
+    """The bytes of pled's reply to ``call``, its NUL included (any fds that come with it closed): the same for each
+    such call while nothing changes (an Attach of one generation of a table)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    try:
+        s.connect(sock_path)
+        s.sendall(call)
+        data = b""
+        while not data.endswith(b"\0"):
+            chunk, fds, _, _ = socket.recv_fds(s, 65536, 4)
+            for fd in fds:
+                os.close(fd)
+            assert chunk, f"pled closed the connection after {data!r}"
+            data += chunk
+        return len(data)
+    finally:
+        s.close()
+
+
+def queued(s: socket.socket, nbytes: int, timeout: float = 30) -> int:
+    """Until ``nbytes`` of pled's replies wait unread on ``s`` (FIONREAD) or pled has closed its end of it: the
+    bytes waiting then. pled answers a connection's calls in order, so these are its answers to the first calls.
+    (Its modules are imported at the top: a forked child as another uid may not be able to import them.)"""
+    def waiting() -> int:
+        return struct.unpack("i", fcntl.ioctl(s.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+
+    deadline = time.monotonic() + timeout
+    while waiting() < nbytes and not closed_by_peer(s):
+        assert time.monotonic() < deadline, f"{waiting()} bytes of replies after {timeout} s, not {nbytes}"
+        time.sleep(0.01)
+    return waiting()
+
+
+def pings_past_any_capacity() -> int:
+    """Pings enough that pled can neither write all their replies to a peer that reads none nor read past them: the
+    kernel takes replies from pled until those unread are charged its send buffer (net.core.wmem_default: pled sets
+    no SO_SNDBUF), each at least PING_REPLY bytes; pled reads a connection 64 KiB at a time, and only once it has
+    answered every call read before. A call sent after these is never read while the peer reads nothing."""
+    wmem = int(Path("/proc/sys/net/core/wmem_default").read_text())
+    return wmem // PING_REPLY + 65536 // len(PING) + 16

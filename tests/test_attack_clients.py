@@ -307,6 +307,27 @@ def test_a_budget_writes_its_burst_then_its_rate_and_says_what_it_held_back(monk
                        "line 5 (2 more like it held back: at most 3 at once, then 1 a second)", "line 6"]
 
 
+def test_a_budget_quiet_for_a_day_writes_its_burst_again_not_a_days_worth_of_lines(monkeypatch):
+    """Quiet for long enough, a key's budget is full again, and full is its burst: a peer quiet for a day that then
+    floods gets 64 lines at once, not a day's refill of 86,400; a line said once a minute (Throttle), quiet for an
+    hour, is said once, not 60 times."""
+    from pled.daemon.health import throttle
+
+    now = [100.0]
+    monkeypatch.setattr(throttle.time, "monotonic", lambda: now[0])
+    written: list[str] = []
+
+    def emit(fmt, *args):
+        written.append(fmt % args)
+
+    budget, once_a_minute = throttle.Budget(), throttle.Throttle()
+    assert budget.log("uid 1000", emit, "a line") and once_a_minute.log("accept", emit, "accept() failed")
+    now[0] += 86400.0
+    assert [budget.log("uid 1000", emit, "line %d", i) for i in range(1000)].count(True) == budget.burst
+    assert [once_a_minute.log("accept", emit, "accept() failed") for _ in range(100)].count(True) == 1
+    assert len(written) == 2 + budget.burst + 1, written[-3:]
+
+
 @pytest.mark.root
 def test_refused_reloads_of_one_uid_are_a_budget_not_a_flood(tmp_path, sidecar, open_dir, pleds):
     """A member of pled's group pipelines 500 Reload calls, each refused (only root and pled's user may reload):

@@ -10,11 +10,13 @@ second must not hold ``attach(timeout=2)`` longer than about two seconds.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
 import logging
 import os
+import resource
 import signal
 import socket
 import threading
@@ -407,6 +409,88 @@ def test_a_reply_with_more_fds_than_a_reply_carries_is_refused_and_they_are_clos
     for pair in pipes:
         for fd in pair:
             os.close(fd)
+
+
+def test_a_client_at_its_open_file_limit_is_told_the_fd_was_cut_short_and_keeps_none(tmp_path):
+    """A process with every fd its limit allows in use but one (the connection's) attaches: the kernel cannot give it
+    the region's fd, closes it and says so (MSG_CTRUNC). The client refuses the reply with a ClientError that says
+    so and names the open-file limit, not "pled sent 0 file descriptors": and afterwards this process has exactly
+    the one fd free it had before, none kept. (A forked child, before the fake server's thread starts: its limit is
+    its own.)"""
+    path = str(tmp_path / "pled.sock")
+    go_r, go_w = os.pipe()
+    said_r, said_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(go_w)
+            os.close(said_r)
+            os.read(go_r, 1)  # the fake server listens
+            top = max(map(int, os.listdir("/proc/self/fd")))
+            resource.setrlimit(resource.RLIMIT_NOFILE, (top + 8, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+            filler = []
+            try:
+                while True:
+                    filler.append(os.open(os.devnull, os.O_RDONLY))
+            except OSError as err:
+                assert err.errno == errno.EMFILE, err
+            os.close(filler.pop())  # one fd free: the connection's
+            try:
+                attach("t", socket=path, timeout=10, populate=False).close()
+                said = "attached"
+            except ClientError as err:
+                said = f"{type(err).__name__}: {err}"
+            free = 0
+            try:
+                while free < 2:
+                    filler.append(os.open(os.devnull, os.O_RDONLY))
+                    free += 1
+            except OSError:
+                pass
+            os.write(said_w, f"{free} {said}".encode())
+        finally:
+            os._exit(0)
+    os.close(go_r)
+    os.close(said_w)
+    server = FakeServer(path, attach_reply(), [memfd(region.encode_header(manifest()))])
+    os.write(go_w, b"x")
+    os.close(go_w)
+    with os.fdopen(said_r) as f:
+        said = f.read()
+    os.waitpid(pid, 0)
+    server.join()
+    free, said = said.split(" ", 1)
+    assert said.startswith("ProtocolError: the kernel cut short the file descriptors pled at"), said
+    assert "(MSG_CTRUNC)" in said and "open-file limit" in said, said
+    assert free == "1", f"{free} fds free after the refusal, 1 before"
+
+
+def test_a_reply_with_more_fds_than_the_client_takes_at_once_is_refused_as_cut_short(tmp_path, no_fd_leak):
+    """A server that sends 5 fds with the first byte of an Attach reply, more than the client's ancillary buffer
+    holds: the kernel gives it 4, closes the fifth and says so (MSG_CTRUNC). The client refuses the reply, says the
+    fds were cut short, and closes the 4 it got."""
+    pipes = [os.pipe() for _ in range(2)]
+    fds = [memfd(region.encode_header(manifest())), *(fd for pair in pipes for fd in pair)]
+    server = FakeServer(str(tmp_path / "pled.sock"), attach_reply(), fds)
+    try:
+        with pytest.raises(ProtocolError, match=r"cut short the file descriptors .* \(MSG_CTRUNC\)"):
+            attach("t", socket=server.path, timeout=10, populate=False).close()
+    finally:
+        server.join()
+
+
+def test_an_attach_reply_with_a_second_fd_is_refused_and_both_are_closed(tmp_path, no_fd_leak):
+    """An Attach reply whose one message carries the region and another fd (a pipe, any fd of the server's): the
+    client refuses it (a reply carries one fd at most) and closes both; taking the first and leaving the other
+    would hand this process an fd nobody owns, each attach."""
+    r, w = os.pipe()
+    server = FakeServer(str(tmp_path / "pled.sock"), attach_reply(), [memfd(region.encode_header(manifest())), r])
+    try:
+        with pytest.raises(ProtocolError, match="sent 2 file descriptors with one reply; a reply carries at most 1"):
+            attach("t", socket=server.path, timeout=10, populate=False).close()
+    finally:
+        server.join()
+        os.close(w)
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ import re
 import select
 import socket
 import time
+from pathlib import Path
 
 import pytest
 
@@ -118,8 +119,59 @@ def _floods_closed(state: dict) -> str:
     return str(closed)
 
 
+def _ping(s: socket.socket) -> bytes:
+    """A Ping on ``s``: pled's whole reply, or what came before it closed the connection (b"": refused at once)."""
+    data = b""
+    try:
+        s.sendall(protocol.call(protocol.PING))
+        while not data.endswith(b"\0"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    except (BrokenPipeError, ConnectionResetError):  # pled closed it before the call was written
+        pass
+    return data
+
+
+def _hold(state: dict, sock: str, n: int) -> str:
+    """``n`` more connections, one after another, each with a Ping: how many pled answered; those stay open (idle)
+    until close_all, the others (pled closed them) are closed."""
+    answered = 0
+    for _ in range(n):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(10)
+        s.connect(sock)
+        if _ping(s).endswith(b"\0"):
+            answered += 1
+            state.setdefault("held", []).append(s)
+        else:
+            s.close()
+    return str(answered)
+
+
+def _forks(state: dict, sock: str, n: int) -> str:
+    """``n`` processes, one after another, each forked from this one (a new pid, the same uid and groups), that
+    connect, call Ping and end: how many pled refused with PermissionDenied."""
+    denied = 0
+    for _ in range(n):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.settimeout(10)
+                s.connect(sock)
+                code = 0 if protocol.PERMISSION_DENIED.encode() in _ping(s) else 1
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        denied += os.waitstatus_to_exitcode(status) == 0
+    return str(denied)
+
+
 def _close_all(state: dict) -> str:
-    for s in state.pop("floods", []):
+    for s in state.pop("floods", []) + state.pop("held", []):
         s.close()
     for key in ("table", "raw"):
         if key in state:
@@ -127,7 +179,8 @@ def _close_all(state: dict) -> str:
     return "closed"
 
 
-ACTIONS = {f.__name__[1:]: f for f in (_attach, _read, _raw_attach, _raw_again, _flood, _floods_closed, _close_all)}
+ACTIONS = {f.__name__[1:]: f for f in (_attach, _read, _raw_attach, _raw_again, _flood, _floods_closed, _hold, _forks,
+                                        _close_all)}
 
 
 class UserProcess:
@@ -401,3 +454,59 @@ def test_connections_that_leave_their_replies_unread_are_dropped_by_size_well_be
     wait_until(lambda: pled.fds() <= fds_before, 10, lambda: f"pled holds {pled.fds()} fds, {fds_before} before")
     pid, said = once(users, u, v, [], "attach", sock)
     assert said == "attached generation 1", said
+
+
+# -- what one uid may take: its share of the connections, its budget of log lines -----------------------------------
+
+def test_pleds_own_user_is_not_held_to_a_uids_share_of_the_connections(open_dir, pleds, users):
+    """pled runs as its own user P, group G (P is not G), as under pled.service, with an open-file limit of 256: 128
+    connections, a quarter of them for any one uid. Root and pled's own user are its operators (docs/protocol.md):
+    no share holds them, and the last 8 connections are kept for them, so that `pled status` and `pled reload`
+    (`systemctl reload pled` runs as P) get through whatever the clients hold. A process as P holds a quarter and 8
+    more, every one answered; a member of G is stopped at the quarter, refused by its uid's share."""
+    from pled.daemon.serving import fdlimit
+    from pled.generator import make_sidecar
+
+    p_uid, g, member, x, y = unused_ids(5)
+    run = os.path.join(open_dir, "own")
+    os.mkdir(run, 0o750)
+    os.chown(run, p_uid, g)  # the unit's RuntimeDirectory=pled: pled's own, its group may traverse
+    make_sidecar(os.path.join(open_dir, "t"), "ples_int4", shards=1, rows=64)
+    sock = os.path.join(run, "pled.sock")
+    pled = harness.start(Path(open_dir), {"t": os.path.join(open_dir, "t")}, name="own", socket=sock, nofile=256,
+                         prefix=["setpriv", f"--reuid={p_uid}", f"--regid={g}", "--clear-groups"])
+    pleds.append(pled)
+    share = fdlimit.per_uid(fdlimit.max_connections(256))
+
+    as_pled = users(p_uid, x, [])
+    assert as_pled.do("hold", sock, share + fdlimit.OPERATOR_RESERVE) == str(share + fdlimit.OPERATOR_RESERVE)
+    in_group = users(member, y, [g])
+    assert in_group.do("hold", sock, share + 1) == str(share)
+    pled.wait_for(f"refusing pid {in_group.pid} uid {member} (")
+    st = client.call(protocol.STATUS, socket=sock)["daemon"]
+    assert st["refused"]["uid_share"] == 1 and st["connections"] == 2 * share + fdlimit.OPERATOR_RESERVE + 1, st
+    assert f"uid {p_uid} already holds" not in pled.log()
+
+
+def test_a_refused_uid_forking_a_process_per_call_gets_the_log_lines_of_one_process(daemon, sidecar, open_dir,
+                                                                                     users):
+    """A uid pled does not admit (the socket opened up, so that pled's own check decides) runs 300 processes one
+    after another, each a new pid that connects, calls Ping and is refused. Each refusal is counted in Status, but
+    its log lines are a budget of that uid's, whatever the pids: 64 at once, then one a second, the next line saying
+    how many were held back; one per pid flooded the journal."""
+    from pled.daemon.health.throttle import Budget
+
+    u, v = unused_ids(2)
+    pled, sock = start(daemon, sidecar, open_dir, "forks")
+    open_up(sock)
+    p = users(u, v, [])
+    began = time.monotonic()
+    assert p.do("forks", sock, 300) == "300"
+    elapsed = time.monotonic() - began
+    assert client.call(protocol.STATUS, socket=sock)["daemon"]["refused"]["access"] == 300
+    budget = Budget()
+    lines = len(re.findall(rf"refused pid \d+ uid {u} \(", pled.log()))
+    assert budget.burst <= lines <= budget.burst + budget.rate * elapsed + 1, (lines, elapsed)
+    # Once the budget has room again, the next refused process's line carries the count of those held back.
+    wait_until(lambda: p.do("forks", sock, 1) == "1" and "more like it held back: at most 64 at once" in pled.log(),
+               30, message=lambda: pled.log()[-2000:])

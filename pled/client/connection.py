@@ -6,6 +6,7 @@ See docs/protocol.md. This module never imports the daemon's code, nor torch.
 from __future__ import annotations
 
 import os
+import resource
 import socket as socket_mod
 import time
 
@@ -153,8 +154,8 @@ class Connection:
                 sock.settimeout(_left(deadline))  # each receive gets what is left of the call's time
                 data, new_fds, flags, _ = socket_mod.recv_fds(sock, 1 << 20, 4)
                 fds += new_fds
-                if flags & socket_mod.MSG_CTRUNC:  # the kernel dropped fds it could not deliver
-                    raise ProtocolError(f"file descriptors from {self.path} were truncated (MSG_CTRUNC)")
+                if flags & socket_mod.MSG_CTRUNC:  # the kernel closed fds it could not give this process
+                    raise ProtocolError(_cut_short(self.path))
                 if len(fds) > MAX_REPLY_FDS:  # a reply carries one region at the most: not a pile of this process's fds
                     raise ProtocolError(f"pled at {self.path} sent {len(fds)} file descriptors with one reply; a reply "
                                         f"carries at most {MAX_REPLY_FDS}")
@@ -172,6 +173,16 @@ class Connection:
 
 
 MAX_REPLY_FDS = 1  # an Attach reply's region; every other reply carries none
+
+
+def _cut_short(path: str) -> str:
+    """Why a reply's fds did not all arrive (MSG_CTRUNC): a process at its fd limit gets none, a reply with more than
+    the client takes at once gets some; the kernel closed the rest."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    limit = "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
+    return (f"the kernel cut short the file descriptors pled at {path} sent with its reply (MSG_CTRUNC) and closed "
+            f"them: this process may be at its open-file limit ({limit}; raise it: ulimit -n, LimitNOFILE=), or the "
+            f"reply carried more than one reply does")
 
 
 def close_all(fds: list[int]) -> None:

@@ -159,7 +159,12 @@ class Session:
         """Region fds queued for this peer or sent and not yet received (an upper bound)."""
         if self.fds_sent and unsent_in_kernel(self.sock) == 0:
             self.fds_sent = 0  # the peer has read everything: every fd arrived
-        return self.fds_sent + sum(len(r.fds) for r in self.out)
+        return self.fds_sent + self.fds_queued()
+
+    def fds_queued(self) -> int:
+        """Region fds of replies not yet written: what dropping the connection takes back. Those the kernel has
+        taken stay in flight until the peer reads them or closes its end, whatever pled does with its own."""
+        return sum(len(r.fds) for r in self.out)
 
     @property
     def idle(self) -> bool:
@@ -199,9 +204,11 @@ def unread_drops(conn: Session, connections: list[Session], nbytes: int) -> list
 def fd_budget_drops(conn: Session, connections: list[Session], n: int, budget: FdBudget, lingering: Lingering,
                     operators: tuple[int, ...]) -> list[tuple[Session, str]]:
     """The connections to drop, and why, before ``n`` more region fds go to ``conn``: ``conn`` itself past its own
-    bound or past the bound over all peers (``operators`` may use its reserve); past its uid's bound, the greediest
-    of that uid's connections until the rest fit (``conn`` last). The fds still unread on connections pled has
-    dropped (``lingering``) count too, and stay."""
+    bound or past the bound over all peers (``operators`` may use its reserve); past its uid's bound, the connections
+    of that uid with the most fds still queued in pled until the rest fit (``conn`` last). The fds still unread on
+    connections pled has dropped (``lingering``) count too, and stay, as do those already sent on the connections
+    it would drop: dropping a connection frees only what it has not sent (else a uid that let pled drop its
+    connections one by one held one fd past its share for each)."""
     mine = conn.fds_in_flight()
     if mine + n > MAX_FDS_PER_CONNECTION:
         return [(conn, f"{mine} table fds sent to it are unread (at most {MAX_FDS_PER_CONNECTION} per connection)")]
@@ -210,10 +217,12 @@ def fd_budget_drops(conn: Session, connections: list[Session], n: int, budget: F
     if total + n > cap:
         return [(conn, f"all peers together have {total} table fds unread (at most {cap} for uid {conn.peer.uid})")]
     closed = lingering.fds(conn.peer.uid)
+    sent = sum(c.fds_in_flight() - c.fds_queued() for c in connections if c.peer.uid == conn.peer.uid)
     also = f", {closed} of them on connections pled has closed" if closed else ""
     return [(c, f"uid {conn.peer.uid} has {budget.per_uid} table fds unread over its connections{also}; this one "
                 f"holds {c.fds_in_flight()}")
-            for c, _ in _uid_share_drops(conn, connections, Session.fds_in_flight, budget.per_uid, extra=n + closed)]
+            for c, _ in _uid_share_drops(conn, connections, Session.fds_queued, budget.per_uid,
+                                         extra=n + closed + sent)]
 
 
 def greediest(conn: Session, connections: Iterable[Session]) -> Session:
