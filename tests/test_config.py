@@ -83,4 +83,5 @@ def test_example_config_is_valid_with_and_without_its_table(tmp_path):
     uncommented = text.replace("#[[table]]\n#name", "[[table]]\nname").replace("\n#path", "\npath", 1)
     assert uncommented.count("\n[[table]]\n") == 1
     example.write_text(uncommented)
-    assert [(t.name, t.path) for t in config.load(str(example)).tables] == [("ples_int4", "/srv/models/gemma/ples_int4")]
+    tables = config.load(str(example)).tables
+    assert [(t.name, t.path) for t in tables] == [("ples_int4", "/srv/models/gemma/ples_int4")]
