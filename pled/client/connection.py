@@ -6,7 +6,6 @@ See docs/protocol.md. This module never imports the daemon's code, nor torch.
 from __future__ import annotations
 
 import os
-import resource
 import socket as socket_mod
 import time
 
@@ -178,8 +177,13 @@ MAX_REPLY_FDS = 1  # an Attach reply's region; every other reply carries none
 def _cut_short(path: str) -> str:
     """Why a reply's fds did not all arrive (MSG_CTRUNC): a process at its fd limit gets none, a reply with more than
     the client takes at once gets some; the kernel closed the rest."""
-    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    limit = "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
+    try:  # imported here, on this rare path: a client's interpreter may lack the extension (a minimal container)
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        limit = "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
+    except (ImportError, OSError):
+        limit = "unknown"
     return (f"the kernel cut short the file descriptors pled at {path} sent with its reply (MSG_CTRUNC) and closed "
             f"them: this process may be at its open-file limit ({limit}; raise it: ulimit -n, LimitNOFILE=), or the "
             f"reply carried more than one reply does")
