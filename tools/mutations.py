@@ -202,6 +202,7 @@ def every_mutation() -> list[Mutation]:
     this module's Mutation, and this module runs as ``__main__``)."""
     import mutations_access
     import mutations_arrays
+    import mutations_audit_vllm
     import mutations_hugetlb
     import mutations_journal
     import mutations_metrics
@@ -210,7 +211,7 @@ def every_mutation() -> list[Mutation]:
 
     return [*MUTATIONS, *mutations_access.MUTATIONS, *mutations_reload.MUTATIONS, *mutations_metrics.MUTATIONS,
             *mutations_journal.MUTATIONS, *mutations_hugetlb.MUTATIONS, *mutations_arrays.MUTATIONS,
-            *mutations_parsers.MUTATIONS]
+            *mutations_parsers.MUTATIONS, *mutations_audit_vllm.MUTATIONS]
 
 
 def main(mutations: list[Mutation] | None = None) -> int:
