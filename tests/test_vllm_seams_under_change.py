@@ -85,6 +85,8 @@ def rewrite_in_place(path: Path, seed: int) -> None:
 
 
 def test_a_held_file_rewritten_in_place_at_the_same_size_is_refused_or_read_anew_never_served_stale(daemon, tmp_path):
+    """vLLM's iterator and safe_open refuse a held file rewritten in place at the same size, naming it, before any
+    tensor; with the disk fallback they read its new bytes, and the unchanged files still come from the region."""
     (tmp_path / "model").mkdir()
     rng = np.random.default_rng(3)
     files = []
@@ -154,6 +156,8 @@ def write_moe(path: Path, layer: str, rng: np.random.Generator) -> list[str]:
 
 @pytest.mark.parametrize("vllm", ["0.32", "0.33"])
 def test_the_iterator_through_pled_skips_exactly_the_expert_weights_vllm_skips_for_each_rank(daemon, tmp_path, vllm):
+    """For every rank's local_expert_ids (and none, and no expert parallelism), the pairs vLLM's iterator yields
+    through pled, from pled's whole files and checkpoint files alike, are vLLM's own: the same names, the same bytes."""
     if vllm == "0.33" and not (VLLM_033 / ".ready").exists():
         pytest.skip("no .cache/vllm-0.33.0: run `make vllm-env` (it installs it there)")
     rng = np.random.default_rng(5)
