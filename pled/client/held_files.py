@@ -140,8 +140,10 @@ class State:
             return None
         st = os.stat(real)
         if (st.st_size, st.st_mtime_ns) != (held.shard.size, held.shard.mtime_ns):
+            what = (f"size {st.st_size}, was {held.shard.size}" if st.st_size != held.shard.size
+                    else "modified, at the same size")
             self.refuse(f"{real} changed since pled staged it into table {held.table.name} "
-                        f"(size {st.st_size}, was {held.shard.size}); restart pled to stage it anew, then vLLM")
+                        f"({what}); restart pled to stage it anew, then vLLM")
             return None
         problem = held.table.unviewable(held.shard.index)
         if problem is not None:
