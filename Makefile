@@ -67,14 +67,15 @@ mutations: $(BIN)/pled vllm-env
 # lane without them (the test-fast markers, -x); a per-mutant timeout of four times the unbroken run. Prints the
 # mutants, killed, timeouts and survived, and each survivor's file:line:column, operator and mutated line. `# pragma:
 # no mutate` leaves a line out. Every module is restored afterwards, whatever happens (checked with git status).
-# A survivor costs a whole run of the fast lane: name one small module at a time, in a checkout nobody is editing.
+# A survivor costs a whole run of the fast lane: name one small module at a time, in a checkout nobody is editing;
+# SINCE=REF runs only the mutants on lines changed since that commit (cosmic-ray's cr-filter-git): an issue's lines.
 $(VENV)/.mutants-ready: $(BIN)/pled
 	$(BIN)/pip install --quiet -e '.[test,mutants]'
 	touch $@
 
 mutants: $(VENV)/.mutants-ready
 	@if [ -z "$(MODULES)" ]; then echo 'name the modules: make mutants MODULES="pled/x.py" TESTS="tests/test_x.py"'; exit 2; fi
-	$(BIN)/python tools/mutants.py --modules $(MODULES) --tests $(TESTS)
+	$(BIN)/python tools/mutants.py --modules $(MODULES) --tests $(TESTS) $(if $(SINCE),--since $(SINCE))
 
 # The long fuzz run: every parser of untrusted bytes (tests/parsers.py) under atheris (libFuzzer), coverage-guided,
 # FUZZ_SECONDS each (default 120), from the seeds in tests/fuzz_corpus/; prints, per parser, the inputs tried, the

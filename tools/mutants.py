@@ -1,7 +1,8 @@
 """Mutation testing of the modules named, by cosmic-ray, against the fast lane plus the tests named.
 
     make mutants MODULES="pled/daemon/health/throttle.py" TESTS="tests/test_attack_clients.py::test_a_budget..."
-    python tools/mutants.py --modules pled/x.py [pled/y.py ...] [--tests TEST ...] [--timeout S] [--session FILE]
+    python tools/mutants.py --modules pled/x.py [pled/y.py ...] [--tests TEST ...] [--since REF] [--timeout S]
+    make mutants MODULES="..." TESTS="..." SINCE=99998da   # only the lines changed since that commit
 
 cosmic-ray (8.7.0, pyproject.toml's ``mutants`` extra) writes each mutant into the module's file on disk and puts
 the file back after its tests, so everything the tests start (`pled serve`, vLLM's processes) runs the mutant too.
@@ -10,7 +11,8 @@ kills it), then, only where they all pass, the fast lane without them (``-m "not
 and not slow"``, ``-x``). A mutant is killed when a test fails and survives when every one passes; one whose tests
 overstay the timeout (by default four times the unbroken run, at least a minute) is killed by cosmic-ray's rule,
 and counted apart here as a timeout: a busy machine can make one. A line with ``# pragma: no mutate`` is left
-alone (cosmic-ray's cr-filter-pragma).
+alone (cosmic-ray's cr-filter-pragma). With ``--since REF`` only the mutants on lines changed since REF (``git diff
+REF``, cosmic-ray's cr-filter-git) run: the lines an issue changed, in the modules it changed.
 
 Printed: a line per mutant as it ends, then the mutants, killed, timeouts, survived and those that could not run,
 and each survivor's place (file:line:column), operator and its line as the mutant has it: a survivor is a change
@@ -138,7 +140,8 @@ def _report(done: list, total: int, seconds: float) -> int:
         if kind == "survived":
             survivors.append(f"  {_where(item)}  {item.mutations[0].operator_name}  ->  {_mutated_line(result.diff)}")
     ran = total - counts["skipped"]
-    print(f"\n{ran} mutants ({counts['skipped']} left out by pragma), {counts['killed']} killed, {counts['timeout']} "
+    print(f"\n{ran} mutants ({counts['skipped']} left out: pragma, or lines not changed), {counts['killed']} killed, "
+          f"{counts['timeout']} "
           f"timeouts, {counts['survived']} survived, {counts['incompetent']} could not run, "
           f"{total - len(done)} not run; {seconds / 60:.1f} min")
     if survivors:
@@ -153,6 +156,7 @@ def main() -> int:
     p.add_argument("--tests", nargs="*", default=[], help="test files or node ids, run before the fast lane")
     p.add_argument("--timeout", type=float, help="seconds for one mutant's tests (default: 4 x the unbroken run)")
     p.add_argument("--session", help="keep cosmic-ray's session (sqlite) here, for cr-report or cr-html")
+    p.add_argument("--since", help="only the lines changed since this git commit (git diff REF)")
     p.add_argument("--run-tests", action="store_true", help=argparse.SUPPRESS)  # the test command of each mutant
     a = p.parse_args()
     if a.run_tests:
@@ -170,14 +174,14 @@ def main() -> int:
 
     signal.signal(signal.SIGTERM, stop)
     try:
-        return _run(modules, a.tests, a.timeout, a.session, originals, status_before)
+        return _run(modules, a.tests, a.timeout, a.session, originals, status_before, a.since)
     except KeyboardInterrupt:
         print("interrupted")
         return 130
 
 
 def _run(modules: list[str], tests: list[str], timeout: float | None, keep: str | None, originals: dict[Path, bytes],
-         status_before: str) -> int:
+         status_before: str, since: str | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="pled-mutants-") as tmp:
         pgid_file = Path(tmp) / "pgid"
         os.environ["PLED_MUTANTS_PGID"] = str(pgid_file)
@@ -194,12 +198,15 @@ def _run(modules: list[str], tests: list[str], timeout: float | None, keep: str 
                 return 2
             timeout = timeout or max(60.0, 4 * baseline)
             print(f"unbroken: the named tests and the fast lane pass in {baseline:.0f} s; {timeout:.0f} s a mutant")
-            config.write_text(_config(modules, command, timeout))
+            config.write_text(_config(modules, command, timeout, since))
             started = time.monotonic()
             subprocess.run([str(BIN / "cosmic-ray"), "init", "--force", str(config), str(session)], cwd=ROOT,
                            check=True)
             subprocess.run([str(BIN / "cr-filter-pragma"), str(session)], cwd=ROOT, check=True,
                            stdout=subprocess.DEVNULL)
+            if since:
+                subprocess.run([str(BIN / "cr-filter-git"), "--config", str(config), str(session)], cwd=ROOT,
+                               check=True, stdout=subprocess.DEVNULL)
             total = len(_results(session)) + _pending(session)
             print(f"{total} mutants in {', '.join(modules)}")
             with open(log, "w") as out:
@@ -239,12 +246,13 @@ def _run(modules: list[str], tests: list[str], timeout: float | None, keep: str 
         return _report(done, total, time.monotonic() - started)
 
 
-def _config(modules: list[str], command: str, timeout: float) -> str:
+def _config(modules: list[str], command: str, timeout: float, since: str | None = None) -> str:
     """cosmic-ray's config: TOML, whose strings and lists are written here as JSON writes them (valid TOML for
     these values: strings with \\" and \\\\ escapes, lists of strings, a float)."""
     return "\n".join([
         "[cosmic-ray]",
-        f"module-path = {json.dumps([str(ROOT / m) for m in modules])}",
+        # relative to the checkout (cosmic-ray runs there): cr-filter-git matches them against `git diff --relative`
+        f"module-path = {json.dumps(modules)}",
         f"timeout = {timeout:.1f}",
         "excluded-modules = []",
         f"test-command = {json.dumps(command)}",
@@ -252,6 +260,7 @@ def _config(modules: list[str], command: str, timeout: float) -> str:
         "[cosmic-ray.distributor]",
         'name = "local"',
         "",
+        *(["[cosmic-ray.filters.git-filter]", f"branch = {json.dumps(since)}", ""] if since else []),
     ])
 
 
