@@ -19,6 +19,7 @@ import os
 import resource
 import signal
 import socket
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -447,7 +448,7 @@ def test_a_client_at_its_open_file_limit_is_told_the_fd_was_cut_short_and_keeps_
                     free += 1
             except OSError:
                 pass
-            os.write(said_w, f"{free} {said}".encode())
+            os.write(said_w, f"{free} {top + 8} {said}".encode())
         finally:
             os._exit(0)
     os.close(go_r)
@@ -459,9 +460,9 @@ def test_a_client_at_its_open_file_limit_is_told_the_fd_was_cut_short_and_keeps_
         said = f.read()
     os.waitpid(pid, 0)
     server.join()
-    free, said = said.split(" ", 1)
+    free, limit, said = said.split(" ", 2)
     assert said.startswith("ProtocolError: the kernel cut short the file descriptors pled at"), said
-    assert "(MSG_CTRUNC)" in said and "open-file limit" in said, said
+    assert "(MSG_CTRUNC)" in said and f"open-file limit ({limit}; raise it" in said, said  # its own soft limit
     assert free == "1", f"{free} fds free after the refusal, 1 before"
 
 
@@ -474,6 +475,20 @@ def test_a_reply_with_more_fds_than_the_client_takes_at_once_is_refused_as_cut_s
     server = FakeServer(str(tmp_path / "pled.sock"), attach_reply(), fds)
     try:
         with pytest.raises(ProtocolError, match=r"cut short the file descriptors .* \(MSG_CTRUNC\)"):
+            attach("t", socket=server.path, timeout=10, populate=False).close()
+    finally:
+        server.join()
+
+
+def test_a_client_without_the_resource_module_still_says_the_fds_were_cut_short(tmp_path, no_fd_leak, monkeypatch):
+    """A client whose interpreter cannot import ``resource`` (a minimal container's, or one that dropped its
+    privileges and can no longer read the standard library's extensions: tests/test_containers.py) is still told
+    the fds were cut short, its limit "unknown": never an ImportError in place of the refusal."""
+    monkeypatch.setitem(sys.modules, "resource", None)  # the import system's own "cannot import" marker
+    fds = [memfd(region.encode_header(manifest())), *(fd for pair in [os.pipe() for _ in range(2)] for fd in pair)]
+    server = FakeServer(str(tmp_path / "pled.sock"), attach_reply(), fds)
+    try:
+        with pytest.raises(ProtocolError, match=r"\(MSG_CTRUNC\) .* open-file limit \(unknown; raise it"):
             attach("t", socket=server.path, timeout=10, populate=False).close()
     finally:
         server.join()

@@ -180,9 +180,8 @@ def _cut_short(path: str) -> str:
     try:  # imported here, on this rare path: a client's interpreter may lack the extension (a minimal container)
         import resource
 
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        limit = "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
-    except (ImportError, OSError):
+        limit = str(resource.getrlimit(resource.RLIMIT_NOFILE)[0])  # never RLIM_INFINITY: Linux caps it at nr_open
+    except ImportError:
         limit = "unknown"
     return (f"the kernel cut short the file descriptors pled at {path} sent with its reply (MSG_CTRUNC) and closed "
             f"them: this process may be at its open-file limit ({limit}; raise it: ulimit -n, LimitNOFILE=), or the "
