@@ -151,7 +151,16 @@ def test_safe_open_is_served_for_held_files_only(model, daemon, tmp_path):
     r = subprocess.run([str(VLLM_PYTHON), str(HERE / "safe_open_check.py"), str(files[1]), str(other)],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode != 0
-    assert f"{files[1]} changed since pled staged it into table model" in r.stderr
+    assert f"{files[1]} changed since pled staged it into table model (modified, at the same size)" in r.stderr
+    # Grown, then shrunk: the refusal gives the size it has and the size pled staged.
+    staged = files[1].stat().st_size
+    data = files[1].read_bytes()
+    for size in (staged + 8, staged - 8):
+        files[1].write_bytes(data + b" " * 8 if size > staged else data[:size])
+        r = subprocess.run([str(VLLM_PYTHON), str(HERE / "safe_open_check.py"), str(files[1]), str(other)],
+                           capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode != 0
+        assert f"{files[1]} changed since pled staged it into table model (size {size}, was {staged})" in r.stderr
 
 
 @pytest.mark.parametrize("enabled_by", ["PLED_SOCKET", "--additional-config"])
