@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+import pled
 from podmanlib import base_image, missing, podman_env, run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,7 +70,7 @@ def debs():
 
 def test_the_package_holds_what_the_manual_install_does_and_lintian_finds_no_error(debs, tmp_path):
     version = changelog_version()
-    assert version.split("-")[0] == __import__("pled").__version__  # the changelog and pled.__version__ agree
+    assert version.split("-")[0] == pled.__version__  # the changelog and pled.__version__ agree
     deb = debs[version]
     tree = tmp_path / "tree"
     subprocess.run(["dpkg-deb", "-x", str(deb), str(tree)], check=True)
@@ -92,8 +93,8 @@ def test_the_package_holds_what_the_manual_install_does_and_lintian_finds_no_err
     leaks = subprocess.run(["grep", "-rlI", "-e", "/root/.pyenv", "-e", "/tmp/pled-deb.", str(tree)],
                            capture_output=True, text=True)
     assert leaks.stdout == "", leaks.stdout  # no trace of the build host's Python or build directory
-    conffiles = subprocess.run(["dpkg-deb", "-f", str(deb), "Package"], capture_output=True, text=True).stdout
-    assert conffiles.strip() == "pled"
+    package = subprocess.run(["dpkg-deb", "-f", str(deb), "Package"], capture_output=True, text=True).stdout
+    assert package.strip() == "pled"
     control = tmp_path / "control"
     subprocess.run(["dpkg-deb", "-e", str(deb), str(control)], check=True)
     assert (control / "conffiles").read_text().split() == ["/etc/pled/pled.toml"]
@@ -204,7 +205,7 @@ def test_install_start_upgrade_and_purge_under_systemd_as_pid_1(debs, podman):
     assert inside and inside.group(1) == exposure.search(here.stdout).group(1), (inside, here.stdout)
 
     # pled as user pled: the environment's interpreter and numpy work, a sidecar is read.
-    assert sh(env, "runuser -u pled -- pled --version").stdout.strip() == f"pled {__import__('pled').__version__}"
+    assert sh(env, "runuser -u pled -- pled --version").stdout.strip() == f"pled {pled.__version__}"
     sh(env, "pled make-sidecar --layout ples_int4 --shards 3 /srv/ples_int4 && chmod -R a+rX /srv")
     assert "3 shard(s)" in sh(env, "runuser -u pled -- pled inspect /srv/ples_int4").stdout
 
