@@ -1,8 +1,9 @@
 """Breakages from an outside audit of serving (issue 33) that the suite missed, and the tests that now catch each:
 whose budget the connections and fds pled dropped but keeps open count in (a uid's share), pled's own user among
 the operators, a log budget's refill capped at its burst, refusal lines per uid whatever the pids, an idle loop
-after signals, the client against a server whose fds the kernel cut short or that sends one too many, and a
-dropped connection drained to its end (tools/mutations.py's format and runner).
+after signals, the client against a server whose fds the kernel cut short or that sends one too many, a dropped
+connection drained to its end, and each term of a uid's share of fds in flight (tools/mutations.py's format and
+runner).
 
     python tools/mutations_audit_serving.py            # these alone, through tools/mutations.py's runner
     python tools/mutations_audit_serving.py --list     # and its other options (-k, --timeout)
@@ -21,6 +22,7 @@ from mutations import Mutation  # noqa: E402
 FDS = "tests/test_fds_in_flight.py::"
 PEERS = "tests/test_peers_admitted_refused_dropped.py::"
 CLIENT = "tests/test_client_untrusted.py::"
+SHARES = "tests/test_fd_shares.py::"
 SLEEPS = "tests/test_signals.py::test_pled_sleeps_when_idle_after_every_signal_it_handles"
 
 MUTATIONS = [
@@ -39,6 +41,21 @@ MUTATIONS = [
              "                                         extra=n + closed + sent)]",
              "                                         extra=n + closed)]",
              (FDS + "test_a_uid_gets_no_table_fd_past_its_share_by_having_pled_drop_its_connections",)),
+    # 1b. Each term of the sum, found by cosmic-ray (make mutants): in the kernel plus queued, once, own uid only.
+    Mutation("a connection's fds in flight taken as those in the kernel or those queued, not both",
+             "pled/daemon/serving/session.py",
+             "        return self.fds_sent + self.fds_queued()\n", "        return self.fds_sent | self.fds_queued()\n",
+             (SHARES + "test_a_connections_fds_in_flight_are_those_in_the_kernel_plus_those_queued_in_pled",)),
+    Mutation("the fds a connection has queued in pled counted twice in its uid's share (once as sent)",
+             "pled/daemon/serving/session.py",
+             "    sent = sum(c.fds_in_flight() - c.fds_queued() for",
+             "    sent = sum(c.fds_in_flight() + c.fds_queued() for",
+             (SHARES + "test_a_uids_share_counts_fds_in_the_kernel_once_and_drops_only_what_frees_room",)),
+    Mutation("fds in flight to a lower uid counted in a higher uid's share",
+             "pled/daemon/serving/session.py",
+             "for c in connections if c.peer.uid == conn.peer.uid)",
+             "for c in connections if c.peer.uid <= conn.peer.uid)",
+             (SHARES + "test_fds_in_flight_to_other_uids_count_in_no_share_but_their_own",)),
     # 2. pled's own user is an operator, as root is: no uid's share holds it.
     Mutation("pled's own user held to one uid's share of the connections (root alone an operator)",
              "pled/daemon/serving/admission.py",
