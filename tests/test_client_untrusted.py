@@ -263,10 +263,13 @@ def test_a_reply_dripped_a_byte_a_second_ends_within_the_timeout(tmp_path, no_fd
     assert isinstance(outcome[0], DaemonUnavailable) and "did not answer io.pled.Attach within 2 s" in str(outcome[0])
 
 
-def attach_in_child(path: str, timeout: float, limit: float) -> tuple[float, str]:
-    """attach("t", timeout=...) in a forked child: (seconds it took, "<ErrorClass>: message" or "attached"); a
-    child still running after ``limit`` seconds is killed ("still running"). A child, not a thread: a parse that
-    holds the GIL would hold this test's clock too."""
+def attach_in_child(path: str, timeout: float, limit: float) -> tuple[float, float, str]:
+    """attach("t", timeout=...) in a forked child: (seconds it took, CPU seconds it spent, "<ErrorClass>: message"
+    or "attached"); a child still running after ``limit`` seconds is killed ("still running"). A child, not a
+    thread: a parse that holds the GIL would hold this test's clock too. The CPU time (wait4's rusage) is what the
+    bounds below are stated in: on a busy machine a child that gave up at its deadline may wait its turn for a core
+    long after it, but it spends no more CPU than the deadline let it, and one that ignored the deadline spends
+    the whole check however idle the machine is."""
     r, w = os.pipe()
     start = time.monotonic()
     pid = os.fork()
@@ -282,16 +285,16 @@ def attach_in_child(path: str, timeout: float, limit: float) -> tuple[float, str
         finally:
             os._exit(0)
     os.close(w)
-    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+    while (ended := os.wait4(pid, os.WNOHANG))[0] == 0:
         if time.monotonic() - start > limit:
             os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+            _, _, usage = os.wait4(pid, 0)
             os.close(r)
-            return time.monotonic() - start, "still running"
+            return time.monotonic() - start, usage.ru_utime + usage.ru_stime, "still running"
         time.sleep(0.01)
-    took = time.monotonic() - start
+    took, usage = time.monotonic() - start, ended[2]
     with os.fdopen(r) as f:
-        return took, f.read()
+        return took, usage.ru_utime + usage.ru_stime, f.read()
 
 
 ESCAPED_QUOTES = b'\\"'  # the text that froze pled and its clients (boundary.depth's regex)
@@ -302,7 +305,8 @@ def test_a_reply_or_manifest_of_escaped_quotes_ends_attach_within_its_timeout(tm
     """Finding 3: attach(timeout=1.0) was still running after 12 s on a 256 KiB reply of escaped quotes, and on a
     sealed memfd whose 1 MiB manifest is made of them. Each is refused now, well within the timeout; so are the
     largest reply and manifest made of empty lists (json.loads builds them without a hook that could look at the
-    clock: the count of values bounds them, 22 million in 64 MiB)."""
+    clock: the count of values bounds them, 22 million in 64 MiB). Within the timeout in CPU time (attach_in_child):
+    the largest list of lists alone takes about half of it to build, which a busy machine can stretch past it."""
     lists = b'{"table":[' + b"[]," * ((region.MAX_MANIFEST - 20) // 3) + b"[]]}"
     reply, raw = {"reply": (ESCAPED_QUOTES * (128 * 1024), manifest().to_json()),
                   "manifest": (attach_reply(), ESCAPED_QUOTES * (512 * 1024)),
@@ -310,9 +314,10 @@ def test_a_reply_or_manifest_of_escaped_quotes_ends_attach_within_its_timeout(tm
                   "manifest of lists": (attach_reply(), lists)}[what]
     data_offset = region.align(_PREFIX.size + len(raw))
     server = FakeServer(str(tmp_path / "pled.sock"), reply, [memfd(header(raw, data_offset), data_offset + ALIGN)])
-    took, said = attach_in_child(server.path, 1.0, limit=5.0)
+    took, cpu, said = attach_in_child(server.path, 1.0, limit=5.0)
     server.join()
-    assert took < 1.5, f"attach(timeout=1) took {took:.1f} s: {said[:300]}"
+    assert cpu < 1.5 and said != "still running", f"attach(timeout=1) took {took:.1f} s, {cpu:.1f} s of CPU: " \
+                                                  f"{said[:300]}"
     kind = "ProtocolError" if what.startswith("reply") else "BadRegion"
     assert said.startswith(kind) and ("values" if "lists" in what else "not JSON") in said, said[:300]
 
@@ -321,21 +326,22 @@ def test_a_reply_or_manifest_of_escaped_quotes_ends_attach_within_its_timeout(tm
 def test_a_manifest_too_long_to_check_within_the_timeout_ends_attach_at_the_timeout(tmp_path):
     """A server whose region's manifest (13 MiB: 180,000 tensors, within the count of values a manifest may hold)
     takes longer to parse and check than the timeout: attach(timeout=0.5) gives up at its timeout
-    (DaemonUnavailable), not seconds later."""
+    (DaemonUnavailable), not seconds later: it spends at most the timeout's CPU (attach_in_child), where the check
+    alone, without a deadline and measured the same way, spends more than twice that."""
     n = 180_000
     shard = ShardEntry(0, "/s", 0, 1, 2, 3, "a" * 64, ALIGN, 0, "")
     tensors = tuple(TensorEntry(f"t{i}", 0, "U8", (0,), ALIGN, 0) for i in range(n))
     raw = replace(manifest(), shards=(shard,), tensors=tensors).to_json()
     data_offset = region.align(_PREFIX.size + len(raw))
-    start = time.perf_counter()
+    start = time.thread_time()
     Manifest.from_json(raw)  # what the same check costs without a deadline: more than the timeout
-    unbounded = time.perf_counter() - start
+    unbounded = time.thread_time() - start
     server = FakeServer(str(tmp_path / "pled.sock"), attach_reply(),
                         [memfd(header(raw, data_offset), data_offset + ALIGN)])
-    took, said = attach_in_child(server.path, 0.5, limit=3 * unbounded + 5)
+    took, cpu, said = attach_in_child(server.path, 0.5, limit=3 * unbounded + 10)
     server.join()
-    assert unbounded > 1.0, f"the manifest took only {unbounded:.2f} s to check: no test of the timeout"
-    assert took < 0.75 and said.startswith("DaemonUnavailable") and "did not end in time" in said, (took, said)
+    assert unbounded > 1.0, f"the manifest took only {unbounded:.2f} s of CPU to check: no test of the timeout"
+    assert cpu < 0.75 and said.startswith("DaemonUnavailable") and "did not end in time" in said, (took, cpu, said)
 
 
 def test_a_manifest_with_negative_dimensions_is_refused(tmp_path, no_fd_leak):
@@ -529,9 +535,9 @@ def test_an_arrays_manifest_of_half_a_million_sources_ends_attach_within_its_tim
     with pytest.raises(ValueError, match="a source tensor 0 that is not one of the manifest's tensors"):
         Manifest.from_json(raw)
     server = FakeServer(str(tmp_path / "pled.sock"), attach_reply(), [memfd(header(raw, data_offset), start + ALIGN)])
-    took, said = attach_in_child(server.path, 0.5, limit=10)
+    took, cpu, said = attach_in_child(server.path, 0.5, limit=10)
     server.join()
-    assert took < 0.75, f"attach(timeout=0.5) took {took:.2f} s: {said[:200]}"
+    assert cpu < 0.75, f"attach(timeout=0.5) took {took:.2f} s, {cpu:.2f} s of CPU: {said[:200]}"
     assert said.startswith(("BadRegion", "DaemonUnavailable")), said[:300]
 
 
