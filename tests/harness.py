@@ -292,6 +292,28 @@ def run_pled(*args, env: Mapping[str, str] | None = None, timeout: float = 60, *
 
 # -- the host ---------------------------------------------------------------------------------------------------
 
+HOST_SETTINGS = [  # what a test that starts systemd (as PID 1, or under podman) must leave as it found it
+    "/proc/sys/kernel/hostname", "/proc/sys/kernel/domainname", "/proc/sys/kernel/pid_max",
+    "/proc/sys/kernel/core_pattern", "/proc/sys/kernel/sysrq", "/proc/sys/kernel/printk", "/proc/sys/kernel/panic",
+    "/proc/sys/kernel/ctrl-alt-del", "/proc/sys/fs/nr_open", "/proc/sys/fs/file-max",
+    "/proc/sys/fs/inotify/max_user_instances", "/proc/sys/fs/inotify/max_user_watches",
+    "/proc/sys/fs/protected_regular", "/proc/sys/fs/protected_symlinks", "/proc/sys/fs/suid_dumpable",
+    "/proc/sys/vm/overcommit_memory", "/proc/sys/vm/swappiness", "/proc/sys/vm/max_map_count",
+    "/proc/sys/net/core/somaxconn", "/proc/sys/net/ipv4/ip_forward", "/sys/kernel/mm/transparent_hugepage/enabled",
+    "/sys/kernel/mm/transparent_hugepage/shmem_enabled", "/etc/passwd", "/etc/group", "/etc/shadow", "/etc/gshadow",
+]
+
+
+def host_settings() -> dict[str, str]:
+    """The text of each of HOST_SETTINGS this host has, to compare before and after."""
+    out = {}
+    for path in HOST_SETTINGS:
+        try:
+            out[path] = Path(path).read_text()
+        except OSError:
+            pass
+    return out
+
 def unused_gid(start: int = 4242) -> int:
     """The first gid from ``start`` on that names no group on this host (for a test's own socket group)."""
     taken = {g.gr_gid for g in grp.getgrall()}

@@ -29,15 +29,13 @@ from pathlib import Path
 import pytest
 
 import pled
+from harness import host_settings
 from podmanlib import base_image, missing, podman_env, run
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMD_IMAGE = "localhost/pled-test-systemd:bookworm"  # the base with systemd, kept between runs like the base
 NAME = f"pled-test-deb-{os.getpid()}"
 HINT = "pled: set your tables in /etc/pled/pled.toml, then: systemctl enable --now pled"
-HOST_WATCHED = ["/proc/sys/kernel/hostname", "/proc/sys/fs/file-max", "/proc/sys/fs/nr_open",
-                "/sys/kernel/mm/transparent_hugepage/enabled", "/sys/kernel/mm/transparent_hugepage/shmem_enabled",
-                "/etc/passwd", "/etc/group"]
 pytestmark = [pytest.mark.timeout(1800), pytest.mark.root, pytest.mark.slow]
 
 
@@ -117,16 +115,6 @@ def test_the_package_holds_what_the_manual_install_does_and_lintian_finds_no_err
             assert i > 0 and text[i - 1].startswith("#"), f"override without its reason above it: {line}"
 
 
-def host_snapshot() -> dict[str, str]:
-    out = {}
-    for path in HOST_WATCHED:
-        try:
-            out[path] = Path(path).read_text()
-        except OSError:
-            pass
-    return out
-
-
 @pytest.fixture(scope="module")
 def podman():
     why = missing()
@@ -172,7 +160,7 @@ def status(env: dict) -> dict:
 
 def test_install_start_upgrade_and_purge_under_systemd_as_pid_1(debs, podman):
     env = podman
-    before = host_snapshot()
+    before = host_settings()
     version = changelog_version()
     upgrade = f"{version}+test1"
     run(["podman", "run", "-d", "--systemd=always", "--name", NAME, SYSTEMD_IMAGE, "/lib/systemd/systemd"], env)
@@ -243,4 +231,4 @@ def test_install_start_upgrade_and_purge_under_systemd_as_pid_1(debs, podman):
     assert sh(env, "getent passwd pled", check=False).returncode == 0
 
     run(["podman", "rm", "-f", "-t", "0", NAME], env)
-    assert host_snapshot() == before
+    assert host_settings() == before

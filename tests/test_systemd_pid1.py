@@ -38,7 +38,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import write_config
+from harness import host_settings, write_config
 from pled.daemon.health.journal import MESSAGE_IDS
 from pled.generator import make_sidecar
 
@@ -54,26 +54,6 @@ CHECKOUT = Path(__file__).absolute().parent.parent
 UNITS = CHECKOUT / "units"
 MASKED = ("/tmp", "/run", "/var", "/mnt", "/dev")  # the namespace mounts its own over these
 RELOCATED = ("/tmp", "/var/tmp", "/dev")  # and a service's own mounts (PrivateTmp=, PrivateDevices=) hide these
-WATCHED = [
-    "/proc/sys/kernel/hostname", "/proc/sys/kernel/domainname", "/proc/sys/kernel/pid_max",
-    "/proc/sys/kernel/core_pattern", "/proc/sys/kernel/sysrq", "/proc/sys/kernel/printk", "/proc/sys/kernel/panic",
-    "/proc/sys/kernel/ctrl-alt-del", "/proc/sys/fs/nr_open", "/proc/sys/fs/file-max",
-    "/proc/sys/fs/inotify/max_user_instances", "/proc/sys/fs/inotify/max_user_watches",
-    "/proc/sys/fs/protected_regular", "/proc/sys/fs/protected_symlinks", "/proc/sys/fs/suid_dumpable",
-    "/proc/sys/vm/overcommit_memory", "/proc/sys/vm/swappiness", "/proc/sys/vm/max_map_count",
-    "/proc/sys/net/core/somaxconn", "/proc/sys/net/ipv4/ip_forward", "/sys/kernel/mm/transparent_hugepage/enabled",
-    "/sys/kernel/mm/transparent_hugepage/shmem_enabled", "/etc/passwd", "/etc/group", "/etc/shadow", "/etc/gshadow",
-]
-
-
-def snapshot() -> dict[str, str]:
-    out = {}
-    for path in WATCHED:
-        try:
-            out[path] = Path(path).read_text()
-        except OSError:
-            pass
-    return out
 
 
 def under(path: str, top: str) -> bool:
@@ -346,7 +326,7 @@ class Fence:
                         "subtree)")
         self.sentinel, self.secret = Path(f"/tmp/pled-sentinel-{uuid.uuid4().hex}"), uuid.uuid4().hex
         self.sentinel.write_text(self.secret)
-        self.before = snapshot()
+        self.before = host_settings()
         self.cgroup = CGROUP_V1 / f"pled-pid1-{name}-{os.getpid()}"
         self.cgroup.mkdir()
         self.testdir = tmp_path / "t"
@@ -364,7 +344,7 @@ class Fence:
         _remove_cgroups(self.cgroup)
         assert self.sentinel.read_text() == self.secret, "the host's /tmp was touched"
         self.sentinel.unlink()
-        assert snapshot() == self.before, "a host setting changed"
+        assert host_settings() == self.before, "a host setting changed"
 
 
 @pytest.fixture
