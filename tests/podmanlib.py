@@ -8,12 +8,14 @@ ulimits within the hard limits (root may lack CAP_SYS_RESOURCE: podman's default
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -55,6 +57,20 @@ def podman_env(work: Path) -> dict:
            "PATH": os.environ.get("PATH", "") + ":/usr/sbin:/sbin"}
     env.pop("NOTIFY_SOCKET", None)
     return env
+
+
+@contextlib.contextmanager
+def workspace(prefix: str) -> Iterator[tuple[Path, dict]]:
+    """(a directory of the test's own, podman's environment with its settings there), or the test skipped, naming
+    what is missing; the directory removed afterwards."""
+    why = missing()
+    if why:
+        pytest.skip(why)
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield work, podman_env(work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def base_image(env: dict, times: dict[str, float]) -> str:

@@ -472,18 +472,23 @@ def test_a_client_at_its_open_file_limit_is_told_the_fd_was_cut_short_and_keeps_
     assert free == "1", f"{free} fds free after the refusal, 1 before"
 
 
+def attach_sent_five_fds(tmp_path, match: str) -> None:
+    """attach() against a server that sends 5 fds (a region and two pipes' ends) with the first byte of its Attach
+    reply: refused with a ProtocolError matching ``match``."""
+    fds = [memfd(region.encode_header(manifest())), *(fd for pair in [os.pipe() for _ in range(2)] for fd in pair)]
+    server = FakeServer(str(tmp_path / "pled.sock"), attach_reply(), fds)
+    try:
+        with pytest.raises(ProtocolError, match=match):
+            attach("t", socket=server.path, timeout=10, populate=False).close()
+    finally:
+        server.join()
+
+
 def test_a_reply_with_more_fds_than_the_client_takes_at_once_is_refused_as_cut_short(tmp_path, no_fd_leak):
     """A server that sends 5 fds with the first byte of an Attach reply, more than the client's ancillary buffer
     holds: the kernel gives it 4, closes the fifth and says so (MSG_CTRUNC). The client refuses the reply, says the
     fds were cut short, and closes the 4 it got."""
-    pipes = [os.pipe() for _ in range(2)]
-    fds = [memfd(region.encode_header(manifest())), *(fd for pair in pipes for fd in pair)]
-    server = FakeServer(str(tmp_path / "pled.sock"), attach_reply(), fds)
-    try:
-        with pytest.raises(ProtocolError, match=r"cut short the file descriptors .* \(MSG_CTRUNC\)"):
-            attach("t", socket=server.path, timeout=10, populate=False).close()
-    finally:
-        server.join()
+    attach_sent_five_fds(tmp_path, r"cut short the file descriptors .* \(MSG_CTRUNC\)")
 
 
 def test_a_client_without_the_resource_module_still_says_the_fds_were_cut_short(tmp_path, no_fd_leak, monkeypatch):
@@ -491,13 +496,7 @@ def test_a_client_without_the_resource_module_still_says_the_fds_were_cut_short(
     privileges and can no longer read the standard library's extensions: tests/test_containers.py) is still told
     the fds were cut short, its limit "unknown": never an ImportError in place of the refusal."""
     monkeypatch.setitem(sys.modules, "resource", None)  # the import system's own "cannot import" marker
-    fds = [memfd(region.encode_header(manifest())), *(fd for pair in [os.pipe() for _ in range(2)] for fd in pair)]
-    server = FakeServer(str(tmp_path / "pled.sock"), attach_reply(), fds)
-    try:
-        with pytest.raises(ProtocolError, match=r"\(MSG_CTRUNC\) .* open-file limit \(unknown; raise it"):
-            attach("t", socket=server.path, timeout=10, populate=False).close()
-    finally:
-        server.join()
+    attach_sent_five_fds(tmp_path, r"\(MSG_CTRUNC\) .* open-file limit \(unknown; raise it")
 
 
 def test_an_attach_reply_with_a_second_fd_is_refused_and_both_are_closed(tmp_path, no_fd_leak):

@@ -30,7 +30,7 @@ import pytest
 
 import pled
 from harness import host_settings
-from podmanlib import base_image, missing, podman_env, run
+from podmanlib import base_image, run, workspace
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMD_IMAGE = "localhost/pled-test-systemd:bookworm"  # the base with systemd, kept between runs like the base
@@ -117,23 +117,19 @@ def test_the_package_holds_what_the_manual_install_does_and_lintian_finds_no_err
 
 @pytest.fixture(scope="module")
 def podman():
-    why = missing()
-    if why:
-        pytest.skip(why)
-    work = Path(tempfile.mkdtemp(prefix="pled-deb-podman-"))
-    env = podman_env(work)
-    try:
-        base = base_image(env, {})
-        if run(["podman", "image", "exists", SYSTEMD_IMAGE], env, check=False).returncode != 0:
-            (work / "Containerfile").write_text(
-                f"FROM {base}\nRUN apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "
-                "--no-install-recommends systemd systemd-sysv procps && apt-get clean && rm -rf /var/lib/apt/lists/*\n")
-            run(["podman", "build", "--format", "docker", "--layers=false", "-f", str(work / "Containerfile"),
-                 "-t", SYSTEMD_IMAGE, str(work)], env, timeout=900)
-        yield env
-    finally:
-        run(["podman", "rm", "-f", "-t", "0", NAME], env, check=False)
-        shutil.rmtree(work, ignore_errors=True)
+    with workspace("pled-deb-podman-") as (work, env):
+        try:
+            base = base_image(env, {})
+            if run(["podman", "image", "exists", SYSTEMD_IMAGE], env, check=False).returncode != 0:
+                (work / "Containerfile").write_text(
+                    f"FROM {base}\nRUN apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "
+                    "--no-install-recommends systemd systemd-sysv procps && apt-get clean && "
+                    "rm -rf /var/lib/apt/lists/*\n")
+                run(["podman", "build", "--format", "docker", "--layers=false", "-f", str(work / "Containerfile"),
+                     "-t", SYSTEMD_IMAGE, str(work)], env, timeout=900)
+            yield env
+        finally:
+            run(["podman", "rm", "-f", "-t", "0", NAME], env, check=False)
 
 
 def sh(env: dict, script: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:

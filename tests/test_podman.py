@@ -23,10 +23,8 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import tomllib
 from pathlib import Path
@@ -37,7 +35,7 @@ import torch
 from harness import SUMMARY, run_pled, unused_gid, write_config
 from pled import client
 from pled.generator import make_sidecar
-from podmanlib import base_image, missing as _missing, podman_env, run as _run
+from podmanlib import base_image, run as _run, workspace
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -84,31 +82,26 @@ def _build(env: dict, containerfile: Path, tag: str, wheels: Path, context: Path
 @pytest.fixture(scope="module")
 def podman():
     """env for podman; the two images built from deploy/'s recipes. Removes this run's containers and images."""
-    why = _missing()
-    if why:
-        pytest.skip(why)
-    work = Path(tempfile.mkdtemp(prefix="pled-podman-"))
-    env = podman_env(work)
-    try:
-        t0 = time.monotonic()
-        base = base_image(env, TIMES)
-        TIMES["base image"] = time.monotonic() - t0
-        wheels = _wheelhouse(work / "wheels")
-        _build(env, _recipe("Containerfile", work, base), PLED_IMAGE, wheels)
-        standin = work / "standin"
-        standin.mkdir()
-        (standin / "Containerfile").write_text(f"FROM {base}\nRUN pip install --no-cache-dir "
-                                               f"torch=={torch.__version__.split('+')[0]} safetensors\n")
-        _build(env, standin / "Containerfile", VLLM_STANDIN, wheels, context=standin)
-        _build(env, _recipe("vllm-with-pled.Containerfile", work, base, VLLM_STANDIN), VLLM_IMAGE, wheels)
-        yield env
-    finally:
-        ps = _run(["podman", "ps", "-aq", "--filter", f"name=^{TAG}"], env, check=False).stdout.split()
-        if ps:
-            _run(["podman", "rm", "-f", "-t", "0", *ps], env, check=False)
-        _run(["podman", "rmi", "-f", VLLM_IMAGE, VLLM_STANDIN, PLED_IMAGE], env, check=False)
-        shutil.rmtree(work, ignore_errors=True)
-        SUMMARY.append("podman test times: " + ", ".join(f"{k} {v:.1f} s" for k, v in TIMES.items()))
+    with workspace("pled-podman-") as (work, env):
+        try:
+            t0 = time.monotonic()
+            base = base_image(env, TIMES)
+            TIMES["base image"] = time.monotonic() - t0
+            wheels = _wheelhouse(work / "wheels")
+            _build(env, _recipe("Containerfile", work, base), PLED_IMAGE, wheels)
+            standin = work / "standin"
+            standin.mkdir()
+            (standin / "Containerfile").write_text(f"FROM {base}\nRUN pip install --no-cache-dir "
+                                                   f"torch=={torch.__version__.split('+')[0]} safetensors\n")
+            _build(env, standin / "Containerfile", VLLM_STANDIN, wheels, context=standin)
+            _build(env, _recipe("vllm-with-pled.Containerfile", work, base, VLLM_STANDIN), VLLM_IMAGE, wheels)
+            yield env
+        finally:
+            ps = _run(["podman", "ps", "-aq", "--filter", f"name=^{TAG}"], env, check=False).stdout.split()
+            if ps:
+                _run(["podman", "rm", "-f", "-t", "0", *ps], env, check=False)
+            _run(["podman", "rmi", "-f", VLLM_IMAGE, VLLM_STANDIN, PLED_IMAGE], env, check=False)
+            SUMMARY.append("podman test times: " + ", ".join(f"{k} {v:.1f} s" for k, v in TIMES.items()))
 
 
 @pytest.fixture
