@@ -89,10 +89,11 @@ fuzz: $(VENV)/.fuzz-ready
 
 # The Debian 12 package of pled's host side (debian/): build/deb/pled_VERSION_ARCH.deb, built by dh-virtualenv with
 # Debian's own Python 3.11 into /usr/lib/pled, then checked by lintian (tools/deb.sh). Its set-up: Debian's build
-# tools, installed with apt-get where they are missing (as root). tests/test_deb.py installs, upgrades and purges it.
+# tools, installed with apt-get where any one is missing (as root). tests/test_deb.py installs, upgrades and purges it.
 DEB_TOOLS := dpkg-buildpackage dh_virtualenv lintian
 deb:
-	@if ! command -v $(DEB_TOOLS) >/dev/null 2>&1 || ! dpkg-query -W python3.11-venv >/dev/null 2>&1; then \
+	@missing=; for t in $(DEB_TOOLS); do command -v $$t >/dev/null 2>&1 || missing=1; done; \
+	if [ -n "$$missing" ] || ! dpkg-query -W python3.11-venv >/dev/null 2>&1; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 	      build-essential debhelper dh-virtualenv dpkg-dev lintian python3.11 python3.11-venv >/dev/null; \
