@@ -16,6 +16,8 @@ import os
 import signal
 import socket
 import stat
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -303,3 +305,18 @@ def test_without_proc_a_reply_gets_a_duplicate_and_the_log_says_so_once(tmp_path
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == [f"[{os.O_RDWR}]", "False"], r.stdout
     assert r.stderr.count("cannot reopen a table's memfd read-only through /proc") == 1, r.stderr
+
+
+def test_a_tables_fd_is_close_on_exec_in_the_client_from_the_moment_it_arrives(tmp_path, sidecar, pleds):
+    """The memfd a client receives is its table's (the Table owns it) and no child's: a vLLM process that execs a
+    child without closing its fds (close_fds=False, os.exec*, a shell's own redirections) must not hand it the
+    table, whose memory that child would then keep alive after pled lets the table go. It is received
+    close-on-exec (MSG_CMSG_CLOEXEC), not marked so afterwards, so no thread's fork and exec meanwhile gets it."""
+    d = sidecar(shards=1, rows=64)
+    pled = start(tmp_path, {"t1": d})
+    pleds.append(pled)
+    with client.attach("t1", socket=pled.socket, timeout=10) as t:
+        assert not os.get_inheritable(t.fd)
+        child = subprocess.run([sys.executable, "-c", f"import os; os.fstat({t.fd})"], close_fds=False,
+                               capture_output=True, text=True, timeout=60)
+        assert child.returncode != 0 and "Bad file descriptor" in child.stderr, (child.returncode, child.stderr)

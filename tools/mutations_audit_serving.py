@@ -56,6 +56,11 @@ MUTATIONS = [
              "for c in connections if c.peer.uid == conn.peer.uid)",
              "for c in connections if c.peer.uid <= conn.peer.uid)",
              (SHARES + "test_fds_in_flight_to_other_uids_count_in_no_share_but_their_own",)),
+    Mutation("the client receives a table's fd without close-on-exec (a child it execs holds the table)",
+             "pled/client/connection.py",
+             "                                             socket_mod.MSG_CMSG_CLOEXEC)\n",
+             "                                             0)\n",
+             ("tests/test_fd_ownership.py::test_a_tables_fd_is_close_on_exec_in_the_client_from_the_moment_it_arrives",)),
     # 2. pled's own user is an operator, as root is: no uid's share holds it.
     Mutation("pled's own user held to one uid's share of the connections (root alone an operator)",
              "pled/daemon/serving/admission.py",
@@ -86,7 +91,7 @@ MUTATIONS = [
               CLIENT + "test_a_reply_with_more_fds_than_the_client_takes_at_once_is_refused_as_cut_short")),
     Mutation("the client keeps a reply's first fd and forgets the others (neither refused nor closed)",
              "pled/client/connection.py",
-             "                fds += new_fds\n", "                fds += new_fds[:1]\n",
+             "            fds.extend(got)\n", "            fds.extend(got[:1])\n",
              (CLIENT + "test_an_attach_reply_with_a_second_fd_is_refused_and_both_are_closed",)),
     # 7. A dropped connection is drained to its end: behind the calls pled never read, its peer's own socket.
     Mutation("a dropped connection drained by one read, not to its end", "pled/daemon/serving/session.py",

@@ -5,6 +5,7 @@ See docs/protocol.md. This module never imports the daemon's code, nor torch.
 """
 from __future__ import annotations
 
+import array
 import os
 import socket as socket_mod
 import time
@@ -151,8 +152,7 @@ class Connection:
                 if len(self._buf) > protocol.MAX_REPLY:
                     raise ProtocolError(f"reply from {self.path} exceeds {protocol.MAX_REPLY} bytes")
                 sock.settimeout(_left(deadline))  # each receive gets what is left of the call's time
-                data, new_fds, flags, _ = socket_mod.recv_fds(sock, 1 << 20, 4)
-                fds += new_fds
+                data, flags = _receive_fds(sock, fds)
                 if flags & socket_mod.MSG_CTRUNC:  # the kernel closed fds it could not give this process
                     raise ProtocolError(_cut_short(self.path))
                 if len(fds) > MAX_REPLY_FDS:  # a reply carries one region at the most: not a pile of this process's fds
@@ -172,6 +172,24 @@ class Connection:
 
 
 MAX_REPLY_FDS = 1  # an Attach reply's region; every other reply carries none
+
+
+_MAX_FDS_AT_ONCE = 4  # room for more than a reply carries: one too many is refused below, not cut short
+
+
+def _receive_fds(sock: socket_mod.socket, fds: list[int]) -> tuple[bytes, int]:
+    """(bytes, recvmsg's flags) of one receive; the fds that came with them appended to ``fds`` (the caller's to
+    close), close-on-exec from the moment they exist (MSG_CMSG_CLOEXEC): a vLLM process that execs a child without
+    closing its fds must not hand it a table's memfd, which would keep the table's memory alive after pled lets it
+    go. socket.recv_fds cannot do that: it drops its flags argument (CPython 3.11)."""
+    data, ancillary, flags, _ = sock.recvmsg(1 << 20, socket_mod.CMSG_LEN(_MAX_FDS_AT_ONCE * 4),
+                                             socket_mod.MSG_CMSG_CLOEXEC)
+    for level, kind, raw in ancillary:
+        if (level, kind) == (socket_mod.SOL_SOCKET, socket_mod.SCM_RIGHTS):
+            got = array.array("i")
+            got.frombytes(raw[: len(raw) - len(raw) % got.itemsize])
+            fds.extend(got)
+    return data, flags
 
 
 def _cut_short(path: str) -> str:
