@@ -488,6 +488,81 @@ def test_pleds_own_user_is_not_held_to_a_uids_share_of_the_connections(open_dir,
     assert f"uid {p_uid} already holds" not in pled.log()
 
 
+def test_four_uids_filling_the_connections_leave_the_last_8_to_root_and_pleds_own_user(open_dir, pleds, users):
+    """Four members of pled's group, each a uid of its own, take every connection they can (pled as its own user P,
+    open-file limit 256: 128 connections, 32 a uid). Three get their quarter; the fourth is stopped 8 short of the
+    cap, told nothing but closed, and pled's log says the last 8 are kept for root and pled's user. Root's
+    `pled status` gets through, and P then takes those 8, every one answered, with no client's connection closed to
+    make room; a fifth member is refused at the full cap, again by the reserve, not by its (empty) share."""
+    from pled.daemon.serving import fdlimit
+    from pled.generator import make_sidecar
+
+    p_uid, g, *ids = unused_ids(12)
+    members, primaries = ids[:5], ids[5:10]
+    run = os.path.join(open_dir, "four")
+    os.mkdir(run, 0o750)
+    os.chown(run, p_uid, g)
+    make_sidecar(os.path.join(open_dir, "t"), "ples_int4", shards=1, rows=64)
+    sock = os.path.join(run, "pled.sock")
+    pled = harness.start(Path(open_dir), {"t": os.path.join(open_dir, "t")}, name="four", socket=sock, nofile=256,
+                         prefix=["setpriv", f"--reuid={p_uid}", f"--regid={g}", "--clear-groups"])
+    pleds.append(pled)
+    cap = fdlimit.max_connections(256)
+    share, open_to_all = fdlimit.per_uid(cap), cap - fdlimit.OPERATOR_RESERVE
+    assert 3 * share < open_to_all < 4 * share  # the fourth uid meets the reserve before its own share
+
+    four = [users(uid, gid, [g]) for uid, gid in zip(members[:4], primaries[:4], strict=True)]
+    held = [p.do("hold", sock, share + 1) for p in four]
+    assert held == [str(share)] * 3 + [str(open_to_all - 3 * share)], (held, pled.log()[-2000:])
+    pled.wait_for(f"refusing pid {four[3].pid} uid {members[3]} (")
+    assert re.search(rf"refusing pid {four[3].pid} uid {members[3]} \(.*\): {open_to_all} connections open; the "
+                     rf"last {fdlimit.OPERATOR_RESERVE} of {cap} are kept for root and pled's user", pled.log())
+
+    r = run_pled("status", "--socket", sock)  # root, the reserve untouched
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert client.call(protocol.STATUS, socket=sock)["daemon"]["connections"] == open_to_all + 1
+    assert users(p_uid, primaries[4], []).do("hold", sock, fdlimit.OPERATOR_RESERVE) == str(fdlimit.OPERATOR_RESERVE)
+
+    fifth = users(members[4], primaries[4], [g])
+    assert fifth.do("hold", sock, 1) == "0"
+    pled.wait_for(f"refusing pid {fifth.pid} uid {members[4]} (")
+    assert re.search(rf"refusing pid {fifth.pid} uid {members[4]} \(.*\): {cap} connections open; the last",
+                     pled.log()), pled.log()[-2000:]
+    assert "closing idle connections" not in pled.log()  # P's 8 were the reserve's: nobody made room for them
+    st = client.call(protocol.STATUS, socket=sock)["daemon"]  # root at the cap: an operator may close an idle one
+    assert st["refused"]["uid_share"] == 3 + (share + 1 - (open_to_all - 3 * share)) + 1, st["refused"]
+    assert st["refused"]["connection_cap"] == 0 and st["dropped"]["idle_evicted"] <= 1, st
+
+
+def test_at_the_cap_with_every_connection_attached_even_root_is_refused_and_counted_as_the_cap(daemon, sidecar,
+                                                                                                  open_dir):
+    """With an open-file limit of 256 pled takes 128 connections. Root attaches on every one of them, so none is idle
+    for pled to close: root's next connection is refused, the log says all 128 are attached or busy, and Status
+    counts it under connection_cap (the metrics' reason to raise LimitNOFILE=), not under uid_share. Once one table
+    is detached, root is answered again and nothing else was closed."""
+    from pled.daemon.serving import fdlimit
+
+    pled, sock = start(daemon, sidecar, open_dir, "cap", nofile=256)
+    cap = fdlimit.max_connections(256)
+    tables = [attach("t", socket=sock, populate=False, timeout=10) for _ in range(cap)]
+    try:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(10)
+        with s:
+            s.connect(sock)
+            assert _ping(s) == b""  # closed at once, unanswered
+        pled.wait_for(f"all {cap} connections are attached or busy (the cap, from the open-file limit)")
+        fds = pled.fds()
+        tables.pop().close()
+        wait_until(lambda: pled.fds() < fds, 10, "pled did not close the connection of the table detached")
+        st = client.call(protocol.STATUS, socket=sock, timeout=10)["daemon"]
+        assert (st["refused"]["connection_cap"], st["refused"]["uid_share"]) == (1, 0), st["refused"]
+        assert st["dropped"]["idle_evicted"] == 0 and st["clients"] == cap - 1, st
+    finally:
+        for t in tables:
+            t.close()
+
+
 def test_a_refused_uid_forking_a_process_per_call_gets_the_log_lines_of_one_process(daemon, sidecar, open_dir,
                                                                                      users):
     """A uid pled does not admit (the socket opened up, so that pled's own check decides) runs 300 processes one

@@ -1,9 +1,9 @@
 """Breakages from an outside audit of serving (issue 33) that the suite missed, and the tests that now catch each:
 whose budget the connections and fds pled dropped but keeps open count in (a uid's share), pled's own user among
-the operators, a log budget's refill capped at its burst, refusal lines per uid whatever the pids, an idle loop
-after signals, the client against a server whose fds the kernel cut short or that sends one too many, a dropped
-connection drained to its end, and each term of a uid's share of fds in flight (tools/mutations.py's format and
-runner).
+the operators, the operators' last 8 connections, a log budget's refill capped at its burst, refusal lines per uid
+whatever the pids, an idle loop after signals, the client against a server whose fds the kernel cut short or that
+sends one too many, a dropped connection drained to its end, and each term of a uid's share of fds in flight
+(tools/mutations.py's format and runner).
 
     python tools/mutations_audit_serving.py            # these alone, through tools/mutations.py's runner
     python tools/mutations_audit_serving.py --list     # and its other options (-k, --timeout)
@@ -66,6 +66,19 @@ MUTATIONS = [
              "pled/daemon/serving/admission.py",
              "fdlimit.over_share(peer.uid, (0, self.policy.own_uid), ", "fdlimit.over_share(peer.uid, (0,), ",
              (PEERS + "test_pleds_own_user_is_not_held_to_a_uids_share_of_the_connections",)),
+    Mutation("the operators' last 8 connections open to any uid within its share (four uids fill the cap)",
+             "pled/daemon/serving/fdlimit.py",
+             "    if open_total >= cap - OPERATOR_RESERVE:\n", "    if open_total >= cap:\n",
+             (PEERS + "test_four_uids_filling_the_connections_leave_the_last_8_to_root_and_pleds_own_user",)),
+    Mutation("a refusal by the operators' reserve at the full cap counted as the cap (metrics say: raise the limit)",
+             "pled/daemon/serving/admission.py",
+             "            self.counters.refuse(reason)\n",
+             "            self.counters.refuse(\"connection_cap\" if len(uids) >= self.max_connections else reason)\n",
+             (PEERS + "test_four_uids_filling_the_connections_leave_the_last_8_to_root_and_pleds_own_user",)),
+    Mutation("a refusal at the cap with every connection attached counted as a uid's share",
+             "pled/daemon/serving/admission.py",
+             "            reason = \"connection_cap\"\n", "",
+             (PEERS + "test_at_the_cap_with_every_connection_attached_even_root_is_refused_and_counted_as_the_cap",)),
     # 3. A log budget refills to its burst, no further, however long the quiet.
     Mutation("a log budget refilled past its burst by a long quiet", "pled/daemon/health/throttle.py",
              "        left = min(self.burst, left + (now - then) * self.rate)\n",

@@ -73,10 +73,12 @@ class Admission:
         uids = [c.peer.uid for c in self.connections.values()] + self.lingering.uids()
         why = fdlimit.over_share(peer.uid, (0, self.policy.own_uid), uids.count(peer.uid), len(uids),
                                  self.max_connections)
+        reason = "uid_share"  # counted as the log line says: by the share (or the reserve), or by the cap
         if why is None and len(uids) >= self.max_connections and not self._make_room():
             why = f"all {len(uids)} connections are attached or busy (the cap, from the open-file limit)"
+            reason = "connection_cap"
         if why is not None:
-            self.counters.refuse("connection_cap" if len(uids) >= self.max_connections else "uid_share")
+            self.counters.refuse(reason)
             self._throttle.log(("refuse", peer.uid), log.warning, "refusing %s: %s", peer.describe(), why,
                                extra=journal.fields("client_refused", peer=peer))
         return why is None
