@@ -122,6 +122,8 @@ def _show_status(args, st: dict) -> int:
             per_node = sorted(numa["bytes_per_node"].items(), key=lambda item: int(item[0]))
             nodes = ", ".join(f"node {n} {gib(b)}" for n, b in per_node)
             notes.append(f"{t['table']}: NUMA {numa.get('policy') or 'policy unknown'}: {nodes}")
+        if numa.get("not_placed"):
+            notes.append(f"{t['table']}: NUMA not placed: {numa['not_placed']}")
         if t.get("arrays"):
             notes.append(f"{t['table']}: {len(t['arrays'])} arrays for vLLM 0.33's PLE path, from "
                          f"{t['shards']} checkpoint file(s), a region of {gib(t['region_bytes'])} (each array on "

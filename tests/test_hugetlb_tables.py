@@ -73,7 +73,7 @@ def test_a_table_on_2m_pages_is_staged_sealed_served_resident_and_verified(tmp_p
                 t["resident_share"], t["sealed"]) == ("2 MiB", MiB2, region, "hugetlb", 1.0, True)
         assert t["numa"] == {"policy": f"interleave:{numa.format_nodelist(NODES)}",
                              "bytes_per_node": {str(n): b for n, b in t["numa"]["bytes_per_node"].items()},
-                             "measured": "every page"}
+                             "measured": "every page", "not_placed": None}
         assert sum(t["numa"]["bytes_per_node"].values()) == region
         with client.attach("t", socket=pled.socket) as table:
             assert table.page_size == MiB2 and table.residency() == 1.0 and same_bytes(table)

@@ -294,8 +294,8 @@ def test_where_the_kernel_refuses_mbind_and_set_mempolicy_tables_are_staged_unpl
     """pled under a system-call filter that answers EPERM to mbind and set_mempolicy (a unit's SystemCallFilter=
     without pled's exception for them, a container runtime's seccomp profile without CAP_SYS_NICE), a real one
     (tests/syscall_filter.py): a table on shared memory (mbind) or on reserved huge pages (set_mempolicy) is staged
-    and served unplaced, and the log says so and why; a numa key set in the config, a placement asked for and
-    impossible here, is refused (78) naming the key."""
+    and served unplaced, and the log and `pled status` (its note, Status's numa.not_placed) say so and why; a numa
+    key set in the config, a placement asked for and impossible here, is refused (78) naming the key."""
     import syscall_filter
     from harness import Daemon, run_pled, start, write_config
     from hugepool import reserve
@@ -319,6 +319,10 @@ def test_where_the_kernel_refuses_mbind_and_set_mempolicy_tables_are_staged_unpl
             # No policy: shared memory's own is the default one; reserved pages keep none, and none was applied.
             unplaced = None if pages == "hugetlb" else "default"
             assert (done.returncode, t["state"], t["numa"]["policy"]) == (0, "ready", unplaced), done.stdout
+            why = "the kernel refuses mbind/set_mempolicy here (Operation not permitted)"
+            assert t["numa"]["not_placed"] == why, t["numa"]  # Status says why, not the log alone
+            shown = run_pled("status", "--socket", pled.socket)
+            assert f"  note: t: NUMA not placed: {why}\n" in shown.stdout, shown.stdout
             assert t["huge_page_policy"] == ("hugetlb" if pages == "hugetlb" else t["huge_page_policy"])
             with client.attach("t", socket=pled.socket) as table:
                 for s in table.shards:

@@ -53,6 +53,12 @@ MUTATIONS = [
              "policy = pages.numa if pages is not None else None", (REFUSED,)),
     Mutation("whether the kernel refuses mbind/set_mempolicy never asked", "pled/daemon/memory/pageplan.py",
              '    refused = numa.refused() if root == "/" else ""\n', '    refused = ""\n', (REFUSED,)),
+    Mutation("Status says nothing of why a table's pages were not placed (the log alone does)",
+             "pled/daemon/memory/pageplan.py",
+             "    not_placed = (plan.numa.refused or None) if plan is not None else None",
+             "    not_placed = None", (REFUSED,)),
+    Mutation("pled status shows no note for a table whose pages were not placed", "pled/cli.py",
+             '        if numa.get("not_placed"):\n', "        if False:\n", (REFUSED,)),
     # A region sealed against writing only: it may still shrink under a client's mapping (SIGBUS).
     Mutation("a memfd sealed against writing only counts as sealed (client and adoption alike)", "pled/shared/memfd.py",
              "    if have & SEALS != SEALS:\n", "    if not have & fcntl.F_SEAL_WRITE:\n",

@@ -268,8 +268,9 @@ def page_size_of(fd: int) -> int:
 
 def status_fields(fd: int, region_bytes: int, stats, plan: PagePlan | None) -> dict:
     """Status's page keys for a region, read from the memfd (adopted ones too): ``huge_page_bytes``,
-    ``page_size``, ``page_size_bytes``, ``huge_page_policy``, ``huge_page_note``, ``numa``. ``stats``: the
-    staging's StageStats (None: adopted); ``plan``: the PagePlan it was to be staged on (None: adopted)."""
+    ``page_size``, ``page_size_bytes``, ``huge_page_policy``, ``huge_page_note``, ``numa`` (its ``not_placed``:
+    why pled applied no policy, the kernel refusing the calls). ``stats``: the staging's StageStats (None:
+    adopted); ``plan``: the PagePlan it was to be staged on (None: adopted)."""
     plan = getattr(stats, "pages", None) or plan  # what it got: a fallback at staging included
     size = page_size_of(fd)
     try:
@@ -292,12 +293,13 @@ def status_fields(fd: int, region_bytes: int, stats, plan: PagePlan | None) -> d
         out = {"huge_page_bytes": None, "page_size_bytes": None, "huge_page_policy": "adopted"}
     out["page_size"] = human(out["page_size_bytes"]) if out["page_size_bytes"] else None
     out["huge_page_note"] = note
+    not_placed = (plan.numa.refused or None) if plan is not None else None  # why no policy was applied
     if seen is None:
-        out["numa"] = {"policy": None, "bytes_per_node": None, "measured": unseen}
+        out["numa"] = {"policy": None, "bytes_per_node": None, "measured": unseen, "not_placed": not_placed}
         return out
     # A hugetlb memfd keeps no policy of its own: its pages were placed by the one pled staged it with.
     policy = (getattr(stats, "numa", "") or None) if size else seen.policy
     out["numa"] = {"policy": policy, "bytes_per_node": {str(n): b for n, b in sorted(seen.bytes_per_node.items())},
                    "measured": "every page" if seen.sampled >= region_bytes else
-                   f"estimated from {gib(seen.sampled)} of pages spread over the region"}
+                   f"estimated from {gib(seen.sampled)} of pages spread over the region", "not_placed": not_placed}
     return out
