@@ -238,6 +238,9 @@ def main(mutations: list[Mutation] | None = None) -> int:
     if a.check:
         print(f"{len(chosen)} mutations: each text occurs once in its file")
         return 0
+    if not chosen:  # else pytest, named no test, would run the whole suite as "the unbroken tests"
+        print(f"no mutation's name contains {a.k!r}; --list names them")
+        return 2
     tests = tuple(dict.fromkeys(t for m in chosen for t in m.tests))
     rc, seconds, out = pytest(tests, a.timeout)
     if rc != 0:
