@@ -282,6 +282,23 @@ def start(daemon, sidecar, open_dir: str, name: str, **keys) -> tuple[harness.Da
     return daemon({"t": sidecar(shards=1, rows=64)}, socket=sock, **keys), sock
 
 
+def start_as_own_user(open_dir: str, pleds: list, name: str, uid: int, gid: int) -> tuple[harness.Daemon, str]:
+    """pled serving table t as its own user ``uid``, group ``gid`` (as under pled.service), with an open-file limit
+    of 256 (128 connections), its socket in a directory of its own that only its group may traverse (the unit's
+    RuntimeDirectory=pled)."""
+    from pled.generator import make_sidecar
+
+    run = os.path.join(open_dir, name)
+    os.mkdir(run, 0o750)
+    os.chown(run, uid, gid)  # the unit's RuntimeDirectory=pled: pled's own, its group may traverse
+    make_sidecar(os.path.join(open_dir, "t"), "ples_int4", shards=1, rows=64)
+    sock = os.path.join(run, "pled.sock")
+    pled = harness.start(Path(open_dir), {"t": os.path.join(open_dir, "t")}, name=name, socket=sock, nofile=256,
+                         prefix=["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups"])
+    pleds.append(pled)
+    return pled, sock
+
+
 def status_lists(sock: str, pid: int, uid: int) -> None:
     """`pled status` lists the client by its own pid and uid, attached to t (and the Status reply says the same)."""
     r = run_pled("status", "--socket", sock)
@@ -465,17 +482,9 @@ def test_pleds_own_user_is_not_held_to_a_uids_share_of_the_connections(open_dir,
     (`systemctl reload pled` runs as P) get through whatever the clients hold. A process as P holds a quarter and 8
     more, every one answered; a member of G is stopped at the quarter, refused by its uid's share."""
     from pled.daemon.serving import fdlimit
-    from pled.generator import make_sidecar
 
     p_uid, g, member, x, y = unused_ids(5)
-    run = os.path.join(open_dir, "own")
-    os.mkdir(run, 0o750)
-    os.chown(run, p_uid, g)  # the unit's RuntimeDirectory=pled: pled's own, its group may traverse
-    make_sidecar(os.path.join(open_dir, "t"), "ples_int4", shards=1, rows=64)
-    sock = os.path.join(run, "pled.sock")
-    pled = harness.start(Path(open_dir), {"t": os.path.join(open_dir, "t")}, name="own", socket=sock, nofile=256,
-                         prefix=["setpriv", f"--reuid={p_uid}", f"--regid={g}", "--clear-groups"])
-    pleds.append(pled)
+    pled, sock = start_as_own_user(open_dir, pleds, "own", p_uid, g)
     share = fdlimit.per_uid(fdlimit.max_connections(256))
 
     as_pled = users(p_uid, x, [])
@@ -495,18 +504,10 @@ def test_four_uids_filling_the_connections_leave_the_last_8_to_root_and_pleds_ow
     `pled status` gets through, and P then takes those 8, every one answered, with no client's connection closed to
     make room; a fifth member is refused at the full cap, again by the reserve, not by its (empty) share."""
     from pled.daemon.serving import fdlimit
-    from pled.generator import make_sidecar
 
     p_uid, g, *ids = unused_ids(12)
     members, primaries = ids[:5], ids[5:10]
-    run = os.path.join(open_dir, "four")
-    os.mkdir(run, 0o750)
-    os.chown(run, p_uid, g)
-    make_sidecar(os.path.join(open_dir, "t"), "ples_int4", shards=1, rows=64)
-    sock = os.path.join(run, "pled.sock")
-    pled = harness.start(Path(open_dir), {"t": os.path.join(open_dir, "t")}, name="four", socket=sock, nofile=256,
-                         prefix=["setpriv", f"--reuid={p_uid}", f"--regid={g}", "--clear-groups"])
-    pleds.append(pled)
+    pled, sock = start_as_own_user(open_dir, pleds, "four", p_uid, g)
     cap = fdlimit.max_connections(256)
     share, open_to_all = fdlimit.per_uid(cap), cap - fdlimit.OPERATOR_RESERVE
     assert 3 * share < open_to_all < 4 * share  # the fourth uid meets the reserve before its own share
