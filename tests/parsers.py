@@ -76,7 +76,9 @@ def _reply(raw: bytes) -> object:
 
 
 def _header(raw: bytes) -> object:
-    return safetensors_file.parse_header("shard_0.safetensors", 8 + len(raw), raw)
+    """The header, and each of its names as a checkpoint reads them (a PLE tensor's shard number)."""
+    header = safetensors_file.parse_header("shard_0.safetensors", 8 + len(raw), raw)
+    return header, [checkpoint.ple_name(t.name, header.path) for t in header.tensors]
 
 
 def _header_tensors(n: int) -> bytes:
@@ -102,7 +104,15 @@ def _meta(raw: bytes) -> object:
 
 
 def _index(raw: bytes) -> object:
-    return boundary.load_json(raw, max_bytes=checkpoint.MAX_INDEX, max_depth=3)
+    """The checkpoint's own index parser: the JSON within bounds, then its weight_map's names and file names."""
+    return checkpoint.parse_index("model.safetensors.index.json", raw)
+
+
+def _index_names(n: int) -> bytes:
+    """An index of PLE shard names (each parsed for its shard number), as many as fit in about n bytes."""
+    prefix = "model.language_model.layers.0.ple.ple_embedding.ngram_embedding.shard_"
+    names = {f"{prefix}{i}.weight": "model-00001-of-00001.safetensors" for i in range(max(1, n // 110))}
+    return json.dumps({"weight_map": names}, separators=(",", ":")).encode()
 
 
 def _manifest(raw: bytes) -> object:
@@ -174,7 +184,8 @@ PARSERS = {p.name: p for p in [
     Parser("meta", _meta, sidecar.MAX_META, (PledError, boundary.BoundaryError), True,
            {**JSON_WORST, "escaped quotes in layout": _in(b'{"layout":', b"}", _quotes)},
            JSON_VALID | {"escaped quotes in layout"}),
-    Parser("index", _index, checkpoint.MAX_INDEX, (boundary.BoundaryError,), True, JSON_WORST, JSON_VALID),
+    Parser("index", _index, checkpoint.MAX_INDEX, (PledError,), True,
+           {**JSON_WORST, "PLE names": _index_names}, JSON_VALID | {"PLE names"}),
     Parser("sums", _sums, sidecar.MAX_SUMS, (PledError,), False,
            {"lines": _sums_lines, "one long line": lambda n: b"a" * n, "spaces": lambda n: b" " * n}),
     Parser("config", _config, 1 << 20, (PledError,), False,
@@ -207,7 +218,11 @@ def write_corpus() -> None:
         "manifest": [_manifest_tensors(400)],
         "header": [_header_tensors(400)],
         "meta": [b'{"layout":"group16_int4_fp16scale_lownibblefirst","shards":2,"rows":128,"width":160}'],
-        "index": [b'{"metadata":{"total_size":1},"weight_map":{"a":"model-00001-of-00002.safetensors"}}'],
+        "index": [b'{"metadata":{"total_size":1},"weight_map":{"a":"model-00001-of-00002.safetensors"}}',
+                  *(json.dumps({"weight_map": {f"m.ple.ple_embedding.ngram_embedding.shard_{n}.weight": f}}).encode()
+                    for n, f in (("1000000000", "model-00001-of-00001.safetensors"),
+                                 ("\u00b2", "model-00001-of-00001.safetensors"),
+                                 ("0", "\ud800.safetensors"), ("\u0661", "a.safetensors")))],
         "sums": [_sums_lines(200)],
         "config": [b'socket = "/run/pled/pled.sock"\n[[table]]\nname = "t"\npath = "/srv/t"\n'],
         "kernel": [b"MemTotal: 100 kB\nMemFree: 50 kB\nMemAvailable: 70 kB\n0-3,5\n"],

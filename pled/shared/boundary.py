@@ -257,6 +257,16 @@ def depth(raw: bytes, limit: int | None = None, *, marks: bytes | None = None) -
     return deepest
 
 
+def ascii_count(text: str, max_digits: int = MAX_INT_DIGITS) -> int | None:
+    """The non-negative integer ``text`` writes in ASCII decimal digits (leading zeros allowed), of at most
+    ``max_digits`` significant digits; None for anything else (a sign, a space, '²' or '١', which str.isdigit
+    takes and int() refuses or reads). Total and linear: no int() of text that was not checked first."""
+    if not text or not text.isascii() or not text.isdigit():
+        return None
+    digits = text.lstrip("0")
+    return int(digits or "0") if len(digits) <= max_digits else None
+
+
 def _int(text: str) -> int:
     if len(text.lstrip("-")) > MAX_INT_DIGITS:
         raise BoundaryError(f"holds an integer of {len(text.lstrip('-'))} digits; "

@@ -24,19 +24,20 @@ import sys
 from collections.abc import Mapping
 
 from pled.daemon.health import journal
-from pled.shared.boundary import printable
+from pled.shared.boundary import ascii_count, printable
 
 
 def stderr_is_journal(env: Mapping[str, str] | None = None) -> bool:
     stream = (os.environ if env is None else env).get("JOURNAL_STREAM", "")
     dev, _, ino = stream.partition(":")
-    if not (dev.isdigit() and ino.isdigit()):
+    numbers = ascii_count(dev), ascii_count(ino)
+    if None in numbers:
         return False
     try:
         st = os.fstat(sys.stderr.fileno())
     except (OSError, ValueError, AttributeError):
         return False
-    return (st.st_dev, st.st_ino) == (int(dev), int(ino))
+    return (st.st_dev, st.st_ino) == numbers
 
 
 def journal_socket(env: Mapping[str, str] | None = None) -> str | None:

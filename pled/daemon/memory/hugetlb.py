@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 # The cgroup plumbing is hostmem's: the mounts, and where our cgroup lies under one.
 from pled.daemon.memory.hostmem import UNLIMITED, HostInfoUnavailable, _int, _join, locate_cgroup
+from pled.shared.boundary import ascii_count
 
 HUGEPAGES = "/sys/kernel/mm/hugepages"
 # linux/memfd.h: MFD_HUGETLB takes the page size's log2 in these bits (MFD_HUGE_2MB is 21 << 26).
@@ -42,8 +43,9 @@ def page_sizes(sys_root: str = "/") -> list[int]:
         return []
     sizes = []
     for name in names:
-        if name.startswith("hugepages-") and name.endswith("kB") and name[10:-2].isdigit():
-            sizes.append(int(name[10:-2]) * 1024)
+        kib = ascii_count(name[10:-2]) if name.startswith("hugepages-") and name.endswith("kB") else None
+        if kib is not None:
+            sizes.append(kib * 1024)
     return sorted(sizes)
 
 

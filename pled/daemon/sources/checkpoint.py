@@ -20,7 +20,7 @@ from pled.daemon.sources.safetensors_file import SafetensorsHeader, TensorInfo, 
 from pled.daemon.sources.sidecar import Shard, Sidecar
 from pled.shared import arrays
 from pled.shared.arrays import LAYOUT as ARRAYS_LAYOUT
-from pled.shared.boundary import BoundaryError, clip, load_json, read_bounded
+from pled.shared.boundary import BoundaryError, ascii_count, clip, load_json, read_bounded
 from pled.shared.errors import SidecarError
 from pled.shared.tensors import nbits
 
@@ -80,10 +80,11 @@ class Checkpoint:
 Source = Sidecar | Checkpoint  # what a table is staged from: whole files, or a checkpoint's PLE tables
 
 
-def ple_name(name: str) -> tuple[str, int | None, str] | None:
+def ple_name(name: str, where: str) -> tuple[str, int | None, str] | None:
     """(prefix, shard number or None for the unsharded form, parameter) of a PLE table tensor's name; None for any
-    other tensor; ValueError for a shard number vLLM reads and pled does not (not ASCII, or 10**9 or more). Linear in
-    the name's length."""
+    other tensor; SidecarError naming ``where`` (the header or index that holds the name) for a shard number vLLM
+    reads and pled does not (not ASCII, or 10**9 or more). Total: a value or pled's refusal for any str, linear in
+    its length (no int() of more than nine ASCII digits)."""
     head, sep, tail = name.rpartition(arrays.SUFFIX + ".")
     if not sep or not head:
         return None
@@ -95,19 +96,52 @@ def ple_name(name: str) -> tuple[str, int | None, str] | None:
     number, dot, param = tail[len("shard_"):].partition(".")
     if not dot or param not in arrays.PARAMS or not number.isdigit():  # what vLLM 0.33 skips too (str.isdigit)
         return None
-    value = number.lstrip("0") or "0"
-    if not number.isascii() or len(value) > 9:
-        raise ValueError(f"tensor {clip(name, 200)!r}: vLLM reads its shard number {clip(number, 40)!r}, but pled "
-                         "takes shard numbers of ASCII digits below 10**9 only: rename it")
-    return prefix, int(value), param
+    value = ascii_count(number, 9)
+    if value is None:
+        raise SidecarError(where, f"tensor {clip(name, 200)!r}: vLLM reads its shard number {clip(number, 40)!r}, "
+                                  "but pled takes shard numbers of ASCII digits below 10**9 only: rename it")
+    return prefix, value, param
 
 
 def is_ple(name: str) -> bool:
     """Whether ``name`` is (or claims to be: ``ple_name`` refuses it) a PLE table's tensor."""
     try:
-        return ple_name(name) is not None
-    except ValueError:
+        return ple_name(name, "") is not None
+    except SidecarError:
         return True
+
+
+def parse_index(path: str, raw: bytes) -> dict[str, list[str]]:
+    """The PLE tensors ``model.safetensors.index.json`` (at ``path``, its bytes ``raw``) says each file holds: file
+    name -> tensor names, in the index's order. Total: that, or a SidecarError naming the index, for any bytes."""
+    try:
+        doc = load_json(raw, max_bytes=MAX_INDEX, max_depth=3, max_values=MAX_INDEX // 8)
+    except BoundaryError as err:
+        raise SidecarError(path, f"cannot be read as a checkpoint index ({err}); fix it or point `checkpoint` at "
+                                 "the .safetensors files") from None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise SidecarError(path, "has no \"weight_map\" of tensor names to file names")
+    wanted: dict[str, list[str]] = {}
+    for name, filename in weight_map.items():
+        if ple_name(name, path) is None:
+            continue
+        if os.path.basename(filename) != filename or filename in ("", ".", "..") or "\0" in filename:
+            raise SidecarError(path, f"names {clip(filename, 120)!r} for {clip(name, 120)!r}; a checkpoint's "
+                                     "files are named without a directory")
+        if not _encodable(filename):
+            raise SidecarError(path, f"names {clip(filename, 120)!r} for {clip(name, 120)!r}, which is not a file "
+                                     "name (a lone surrogate: not UTF-8); fix the index")
+        wanted.setdefault(filename, []).append(name)
+    return wanted
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def looks_like_checkpoint(source: str) -> bool:
@@ -127,10 +161,7 @@ def open_checkpoint(source: str) -> Checkpoint:
             if name not in names:
                 raise SidecarError(path, f"has no tensor {clip(name, 120)!r}, which {INDEX} says it holds; the "
                                          "checkpoint is incomplete or its index stale")
-        try:
-            hits = [(t, parsed) for t in header.tensors if (parsed := ple_name(t.name)) is not None]
-        except ValueError as err:
-            raise SidecarError(path, str(err)) from None
+        hits = [(t, parsed) for t in header.tensors if (parsed := ple_name(t.name, path)) is not None]
         if hits:
             holding[path] = header
         for t, (prefix, number, param) in hits:
@@ -162,22 +193,11 @@ def _candidate_files(source: str) -> list[tuple[str, list[str] | None]]:
     if index is None or (os.path.isdir(source) and not os.path.lexists(index)):
         return [(f, None) for f in find_files(source, numbering=False)]
     try:
-        doc = load_json(read_bounded(index, MAX_INDEX, "checkpoint index"), max_bytes=MAX_INDEX, max_depth=3,
-                        max_values=MAX_INDEX // 8)
+        raw = read_bounded(index, MAX_INDEX, "checkpoint index")
     except BoundaryError as err:
         raise SidecarError(index, f"cannot be read as a checkpoint index ({err}); fix it or point `checkpoint` at "
-                                  "the .safetensors files") from err
-    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise SidecarError(index, "has no \"weight_map\" of tensor names to file names")
-    wanted: dict[str, list[str]] = {}
-    for name, filename in weight_map.items():
-        if ple_name(name) is None:
-            continue
-        if os.path.basename(filename) != filename or filename in ("", ".", "..") or "\0" in filename:
-            raise SidecarError(index, f"names {clip(filename, 120)!r} for {clip(name, 120)!r}; a checkpoint's "
-                                      "files are named without a directory")
-        wanted.setdefault(filename, []).append(name)
+                                  "the .safetensors files") from None
+    wanted = parse_index(index, raw)
     base = os.path.dirname(os.path.abspath(index))
     return [(os.path.join(base, f), names) for f, names in sorted(wanted.items(), key=lambda kv: natural_key(kv[0]))]
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pled.daemon.memory import pageplan
 from pled.daemon.systemd.notify import Notifier
 from pled.shared import region
+from pled.shared.boundary import ascii_count
 from pled.shared.errors import RegionError
 from pled.shared.region import Manifest, Region
 from pled.shared.sizes import gib
@@ -45,9 +46,10 @@ def fd_name(table: str, generation: int) -> str:
 
 def parse_fd_name(name: str) -> tuple[str, int] | None:
     parts = name.split(".", 2)
-    if len(parts) != 3 or parts[0] != FDNAME_PREFIX or not parts[1].isdigit():
+    generation = ascii_count(parts[1]) if len(parts) == 3 else None  # '²' is a str digit, and int() refuses it
+    if generation is None or parts[0] != FDNAME_PREFIX:
         return None
-    return parts[2], int(parts[1])
+    return parts[2], generation
 
 
 @dataclass(frozen=True)
@@ -69,11 +71,12 @@ def listen_fds(env: MutableMapping[str, str] | None = None, unset: bool = True) 
     if unset:
         for key in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
             env.pop(key, None)
-    if pid != str(os.getpid()) or not count.isdigit():
+    fds = ascii_count(count, 6)
+    if pid != str(os.getpid()) or fds is None:
         return []
     labels = names.split(":") if names else []
     out = []
-    for i in range(int(count)):
+    for i in range(fds):
         fd = FDS_START + i
         try:
             os.set_inheritable(fd, False)
@@ -96,9 +99,9 @@ class FdStore:
     def __init__(self, notifier: Notifier, env, configured: int = DEFAULT_MAX) -> None:
         self.notifier = notifier
         self.names: set[str] = set()
-        raw = env.get("FDSTORE", "")
-        if raw.isdigit():
-            self.limit, self.source = int(raw), "FDSTORE from systemd"
+        given = ascii_count(env.get("FDSTORE", ""))
+        if given is not None:
+            self.limit, self.source = given, "FDSTORE from systemd"
         else:
             self.limit = configured
             self.source = "fdstore_max in the config; systemd before 254 does not pass FDSTORE"
