@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from pled.daemon.sources.naming import find_files, natural_key
+from pled.daemon.sources.naming import find_files, natural_key, odd_one_out
 from pled.daemon.sources.safetensors_file import SafetensorsHeader, TensorInfo, read_header
 from pled.daemon.sources.sidecar import Shard, Sidecar
 from pled.shared import arrays
@@ -223,12 +223,20 @@ def _array(prefix: str, param: str, slots: dict, file_index: dict[str, int]) -> 
                                                  f"(found {len(numbers)}, up to {numbers[-1]}); the checkpoint is "
                                                  "incomplete")
     tensors = [(file_index[slots[n][0]], slots[n][1]) for n in numbers]
-    first = tensors[0][1]
     for n in numbers:
         path, t = slots[n]
-        if len(t.shape) != 2 or t.dtype != first.dtype or t.shape[1:] != first.shape[1:] or len(first.shape) != 2:
-            raise SidecarError(path, f"tensor {clip(t.name, 200)!r} is {t.dtype}{list(t.shape)}; the table's "
-                                     f"shards are {first.dtype}[rows, {first.shape[-1] if first.shape else '?'}]")
+        if len(t.shape) != 2:
+            raise SidecarError(path, f"tensor {clip(t.name, 200)!r} is {t.dtype}{list(t.shape)}; a table's shards are "
+                                     "[rows, width]")
+    # One dtype and one width for every shard (byte order is the format's: every safetensors dtype is little-endian).
+    # The shard named is the one that disagrees with the others, not the second where the first is the odd one.
+    disagree = odd_one_out([(t.dtype, t.shape[1]) for _, t in tensors])
+    if disagree is not None:
+        (path, t), (_, agreed) = slots[numbers[disagree[0]]], slots[numbers[disagree[1]]]
+        raise SidecarError(path, f"tensor {clip(t.name, 200)!r} is {t.dtype}{list(t.shape)}; the table's other "
+                                 f"shards are {agreed.dtype}[rows, {agreed.shape[1]}] (as {clip(agreed.name, 200)!r} "
+                                 "is): one table's shards share a dtype and a width")
+    first = tensors[0][1]
     width = first.shape[1]
     if width == 0:
         raise SidecarError(slots[numbers[0]][0], f"table {clip(name, 200)} has rows of width 0")

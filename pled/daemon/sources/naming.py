@@ -46,6 +46,20 @@ def numbered_of(name: str) -> tuple[str, int, int] | None:
     return rest[:-1], int(n), int(total)
 
 
+def odd_one_out(values: list) -> tuple[int, int] | None:
+    """(the index of the first of ``values`` that differs from the value most of them share (on a tie, the value
+    seen first), the index of the first that has that value), None when all agree: the shard a refusal names is the
+    one that disagrees with the table's others, not whichever came after the first (issue 48: a table's first shard
+    of another dtype named its second). Linear."""
+    counts: dict = {}
+    for v in values:
+        counts[v] = counts.get(v, 0) + 1
+    if len(counts) <= 1:
+        return None
+    common = max(counts, key=counts.__getitem__)  # the first of the most common, in the order first seen
+    return next(i for i, v in enumerate(values) if v != common), next(i for i, v in enumerate(values) if v == common)
+
+
 def natural_key(name: str) -> list:
     """shard_2 before shard_10: runs of ASCII digits compared as numbers (by length without leading zeros, then
     text: no int() of a run however long), everything else as text."""

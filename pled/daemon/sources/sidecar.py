@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 
 from pled.daemon.sources import sidecar_meta
-from pled.daemon.sources.naming import find_files, numbered, numbered_of
+from pled.daemon.sources.naming import find_files, numbered, numbered_of, odd_one_out
 from pled.daemon.sources.safetensors_file import SafetensorsHeader, read_header
 from pled.shared import layouts
 from pled.shared.boundary import BoundaryError, clip, load_json, read_bounded
@@ -84,6 +84,7 @@ def open_table(source: str) -> Sidecar:
     rows_per_shard: list[int] = []
     width = 0
     if layout is not None:
+        widths = []
         for h in headers:
             try:
                 rows, w = layouts.rows_and_width(
@@ -91,10 +92,15 @@ def open_table(source: str) -> Sidecar:
                 )
             except ValueError as err:
                 raise SidecarError(h.path, str(err)) from err
-            if width and w != width:
-                raise SidecarError(h.path, f"row width {w} differs from {width} in {os.path.basename(headers[0].path)}")
-            width = w
+            widths.append(w)
             rows_per_shard.append(rows)
+        disagree = odd_one_out(widths)
+        if disagree is not None:
+            odd, other = disagree
+            raise SidecarError(headers[odd].path, f"row width {widths[odd]} differs from {widths[other]} in the "
+                                                  f"table's other shards (as in "
+                                                  f"{os.path.basename(headers[other].path)})")
+        width = widths[0] if widths else 0
     elif len(headers) > 1 and all(numbered(os.path.basename(h.path)) and not numbered_of(os.path.basename(h.path))
                                   for h in headers):
         _check_alike(headers)  # shards of one unknown layout must at least agree with each other
@@ -123,39 +129,47 @@ def open_table(source: str) -> Sidecar:
 
 
 def _detect_layout(headers: list[SafetensorsHeader]) -> layouts.Layout | None:
-    found = None
+    """The layout every shard holds; a shard that holds another than the table's other shards is refused, named."""
+    found = []
     for h in headers:
         try:
-            layout = layouts.detect({t.name for t in h.tensors})
+            found.append(layouts.detect({t.name for t in h.tensors}))
         except ValueError as err:
             raise SidecarError(h.path, str(err)) from err
-        if h is headers[0]:
-            found = layout
-        elif layout is not found:
-            this = layout.name if layout else "no PLE layout"
-            raise SidecarError(h.path, f"holds {this} but {os.path.basename(headers[0].path)} "
-                                       f"holds {found.name if found else 'no PLE layout'}")
-    return found
+    names = [layout.name if layout else "no PLE layout" for layout in found]
+    disagree = odd_one_out(names)
+    if disagree is not None:
+        odd, other = disagree
+        this, that = names[odd], names[other]
+        raise SidecarError(headers[odd].path, f"holds {this} but {os.path.basename(headers[other].path)} "
+                                              f"holds {that}, as the table's other shards do")
+    return found[0] if found else None
 
 
 def _check_alike(headers: list[SafetensorsHeader]) -> None:
+    """Shards of one unknown layout must agree with each other: the same tensor names, each of one dtype and one
+    width in every shard. The shard refused is the one that disagrees with most of the others."""
     def sig(h: SafetensorsHeader) -> dict:
         return {t.name: (t.dtype, t.shape[1:]) for t in h.tensors}
 
-    first = sig(headers[0])
-    for h in headers[1:]:
-        this = sig(h)
-        if set(this) != set(first):
-            raise SidecarError(h.path, f"tensors {clip(sorted(this), 400)} differ from {clip(sorted(first), 400)} "
-                                       f"in {os.path.basename(headers[0].path)}")
-        for name, (dtype, trailing) in this.items():
-            if (dtype, trailing) != first[name]:
-                raise SidecarError(
-                    h.path,
-                    f"tensor {clip(name, 120)!r} is {dtype}[*, {', '.join(map(str, trailing))}] but "
-                    f"{first[name][0]}[*, {', '.join(map(str, first[name][1]))}] "
-                    f"in {os.path.basename(headers[0].path)}",
-                )
+    sigs = [sig(h) for h in headers]
+    disagree = odd_one_out([frozenset(s) for s in sigs])
+    if disagree is not None:
+        odd, other = disagree
+        raise SidecarError(headers[odd].path, f"tensors {clip(sorted(sigs[odd]), 400)} differ from the table's other "
+                                              f"shards' {clip(sorted(sigs[other]), 400)} (as in "
+                                              f"{os.path.basename(headers[other].path)})")
+    for name in sigs[0]:
+        disagree = odd_one_out([s[name] for s in sigs])
+        if disagree is not None:
+            odd, other = disagree
+            (dtype, trailing), (want, wanted) = sigs[odd][name], sigs[other][name]
+            raise SidecarError(
+                headers[odd].path,
+                f"tensor {clip(name, 120)!r} is {dtype}[*, {', '.join(map(str, trailing))}] but "
+                f"{want}[*, {', '.join(map(str, wanted))}] in the table's other shards (as in "
+                f"{os.path.basename(headers[other].path)})",
+            )
 
 
 def _read_meta(path: str, sidecar: Sidecar) -> dict:
