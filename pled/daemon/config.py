@@ -132,9 +132,9 @@ class Config(BaseModel):
     numa: Numa | None = None  # None: interleave over every node with memory
     headroom_margin: int = 1024**3
     staging_bandwidth: int | None = None  # bytes/s; None: as fast as the disk goes
-    allow_uids: tuple[int, ...] = ()
-    allow_groups: tuple[int | str, ...] = ()
-    fdstore_max: int = Field(default=64, ge=0, le=1 << 20)  # FileDescriptorStoreMax=, where systemd does not say
+    allow_uids: tuple[StrictInt, ...] = ()  # Strict: TOML's true is no uid (Python's bool is an int)
+    allow_groups: tuple[StrictInt | str, ...] = ()
+    fdstore_max: StrictInt = Field(default=64, ge=0, le=1 << 20)  # FileDescriptorStoreMax=, where systemd does not say
     metrics_file: str | None = Field(default=None, min_length=1, max_length=4096)  # None: no metrics file
     metrics_interval: float = Field(default=15.0, ge=1, le=3600)  # seconds; the file is also written on each change
     tables: tuple[TableConfig, ...] = Field(default=(), alias="table")
@@ -196,6 +196,18 @@ class Config(BaseModel):
             if not 0 <= uid < 2**32 - 1:
                 raise ValueError(f"{uid} is not a uid")
         return uids
+
+    @field_validator("allow_groups", mode="before")
+    @classmethod
+    def _group_kinds(cls, value: object) -> object:
+        """One message for a member that is neither a gid nor a name (a boolean is neither: Python's bool is an
+        int), not one per member of the union."""
+        if isinstance(value, (list, tuple)):
+            for g in value:
+                if type(g) is not int and not isinstance(g, str):
+                    shown = str(g).lower() if isinstance(g, bool) else clip(g, 40)
+                    raise ValueError(f"expected gids or group names such as [0, \"adm\"], not {shown}")
+        return value
 
     @field_validator("allow_groups")
     @classmethod
