@@ -26,7 +26,7 @@ from pled.daemon.config import Config
 from pled.daemon.events import Planned, PlanningFailed
 from pled.daemon.health import journal
 from pled.daemon.health.counters import Counters
-from pled.daemon.regions import planning
+from pled.daemon.regions import parsing
 from pled.daemon.regions.planning import ReloadPlan
 from pled.daemon.registry import Registry
 from pled.daemon.serving.server import PENDING
@@ -111,7 +111,7 @@ class Reloader:
                            f"STATUS=reloading {source}")
         self.current = Reload(callers=[caller] if caller else [])
         served, served_pages = self.registry.identities(), self.registry.page_sizes()
-        self.stager.run("planned", lambda: Planned(planning.plan_reload(source, served, self.proc_root, served_pages)),
+        self.stager.run("planned", lambda: Planned(parsing.plan_reload(source, served, self.proc_root, served_pages)),
                         on_error=PlanningFailed)
         return PENDING if caller else None
 
