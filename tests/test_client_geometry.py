@@ -93,6 +93,16 @@ def test_the_controls_are_accepted():
         region.check(m)
 
 
+def test_tensors_listed_out_of_offset_order_and_empty_tensors_anywhere_are_accepted():
+    """A safetensors header lists its tensors by name, not by offset; an empty tensor holds no byte, so lies over
+    nothing wherever it is."""
+    a, b = files_manifest().tensors
+    for tensors in ((b, a), (a, b, TensorEntry("e", 0, "U8", (0,), ALIGN + 8, 0)),
+                    (TensorEntry("e", 0, "U8", (0,), ALIGN, 0), b, a)):
+        m = replace(files_manifest(), tensors=tensors)
+        assert Manifest.from_json(m.to_json()) == m
+
+
 @pytest.mark.parametrize("what", list(BAD))
 def test_a_bad_geometry_is_refused_by_the_manifest_parser(what):
     m, says = BAD[what]

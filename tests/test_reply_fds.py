@@ -50,7 +50,7 @@ REPLY = json.dumps({"parameters": {"table": "t", "generation": 1, "fingerprint":
     (2, "sent 2 file descriptors with one reply; a reply carries at most 1"),
     (4, "sent 4 file descriptors with one reply; a reply carries at most 1"),
     (5, "cut short the file descriptors pled at"),
-])
+], ids=["none", "two", "four", "cut-short"])
 def test_an_attach_reply_without_exactly_one_fd_is_refused_and_every_fd_closed(tmp_path, count, says):
     before = _fds()
     sent = [_region_fd()] if count else []
