@@ -4,12 +4,13 @@ Shared by every seam that serves a file from pled (vLLM's weight iterator, ``saf
 any process of the vLLM environment: vLLM's own processes, which load pled as a plugin, and those that do
 not (a spawned PLE offload worker), which get it from the start-up hook (pled.autoload).
 
-Enabled by ``PLED_SOCKET`` (with ``PLED_TABLES=a,b``, ``PLED_FALLBACK=disk`` and ``PLED_ANSWER_TIMEOUT``) or, in a process where
-vLLM's config is already set, by ``--additional-config '{"pled": {"socket": ..., "tables": [...],
-"fallback": "disk", "answer_timeout": 10}}'``, unless vLLM's plugin allow-list ``VLLM_PLUGINS`` is set and leaves pled out: then
-pled is off in the process, with one warning. The tables are attached on the first file asked for, once per
-process. If pled is configured but cannot serve, the file's load fails with pled's message, unless the
-fallback is ``"disk"``: then a warning, and the file is read as usual. Neither torch nor vLLM is imported here.
+Enabled by ``PLED_SOCKET`` (with ``PLED_TABLES=a,b``, ``PLED_FALLBACK=disk`` and ``PLED_ANSWER_TIMEOUT``) or,
+in a process where vLLM's config is already set, by ``--additional-config '{"pled": {"socket": ..., "tables":
+[...], "fallback": "disk", "answer_timeout": 10}}'``, unless vLLM's plugin allow-list ``VLLM_PLUGINS`` is set and
+leaves pled out: then pled is off in the process, with one warning. The tables are attached on the first file
+asked for, once per process. If pled is configured but cannot serve, the file's load fails with pled's message,
+unless the fallback is ``"disk"``: then a warning, and the file is read as usual. Neither torch nor vLLM is
+imported here.
 """
 from __future__ import annotations
 

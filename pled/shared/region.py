@@ -254,7 +254,7 @@ def _refuse_overlapping_tensors(tensors: tuple[TensorEntry, ...]) -> None:
     can): sorted by offset, each begins at or after the end of every one before it. O(n log n); an empty tensor
     holds no byte, and may lie anywhere in its shard."""
     placed = sorted((t.offset, t.offset + t.nbytes, i) for i, t in enumerate(tensors) if t.nbytes)
-    for (_, end, i), (begin, _, j) in zip(placed, placed[1:]):
+    for (_, end, i), (begin, _, j) in zip(placed, placed[1:], strict=False):
         if begin < end:
             a, b = tensors[i], tensors[j]
             raise ValueError(f"places tensor {clip(b.name, 80)!r} at bytes {b.offset}..{b.offset + b.nbytes}, over "
