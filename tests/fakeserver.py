@@ -10,10 +10,11 @@ import threading
 class FakeServer:
     """Serves one connection at ``path``: reads one call (kept, parsed, in ``call``), answers ``reply`` (NUL added)
     with ``fds`` on its first byte, then closes everything it holds, the fds it sent included. ``drip``: send one
-    byte a second instead, until the client goes away or ``stop`` is set."""
+    byte a second instead, until the client goes away or ``stop`` is set. ``hang``: answer nothing at all, holding
+    the connection until ``stop`` is set (a wedged pled: the kernel accepted, the server never answers)."""
 
-    def __init__(self, path: str, reply: bytes, fds: list[int] = (), drip: bool = False) -> None:
-        self.path, self.reply, self.fds, self.drip = path, reply + b"\0", list(fds), drip
+    def __init__(self, path: str, reply: bytes, fds: list[int] = (), drip: bool = False, hang: bool = False) -> None:
+        self.path, self.reply, self.fds, self.drip, self.hang = path, reply + b"\0", list(fds), drip, hang
         self.stop = threading.Event()
         self.call: dict | None = None
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -31,6 +32,9 @@ class FakeServer:
                 while not call.endswith(b"\0"):
                     call += conn.recv(65536) or b"\0"
                 self.call = json.loads(call[:-1] or b"null")
+                if self.hang:
+                    self.stop.wait(60)
+                    return
                 if self.fds:
                     socket.send_fds(conn, [self.reply[:1]], self.fds)
                 else:

@@ -205,6 +205,7 @@ def every_mutation() -> list[Mutation]:
     import mutations_audit_kernel
     import mutations_audit_serving
     import mutations_audit_vllm
+    import mutations_client_44
     import mutations_hugetlb
     import mutations_journal
     import mutations_metrics
@@ -214,7 +215,8 @@ def every_mutation() -> list[Mutation]:
     return [*MUTATIONS, *mutations_access.MUTATIONS, *mutations_reload.MUTATIONS, *mutations_metrics.MUTATIONS,
             *mutations_journal.MUTATIONS, *mutations_hugetlb.MUTATIONS, *mutations_arrays.MUTATIONS,
             *mutations_parsers.MUTATIONS, *mutations_audit_kernel.MUTATIONS, *mutations_audit_serving.MUTATIONS,
-            *mutations_audit_vllm.MUTATIONS]
+            *mutations_audit_vllm.MUTATIONS,
+            *mutations_client_44.MUTATIONS]
 
 
 def main(mutations: list[Mutation] | None = None) -> int:

@@ -4,12 +4,13 @@ Shared by every seam that serves a file from pled (vLLM's weight iterator, ``saf
 any process of the vLLM environment: vLLM's own processes, which load pled as a plugin, and those that do
 not (a spawned PLE offload worker), which get it from the start-up hook (pled.autoload).
 
-Enabled by ``PLED_SOCKET`` (with ``PLED_TABLES=a,b`` and ``PLED_FALLBACK=disk``) or, in a process where
-vLLM's config is already set, by ``--additional-config '{"pled": {"socket": ..., "tables": [...],
-"fallback": "disk"}}'``, unless vLLM's plugin allow-list ``VLLM_PLUGINS`` is set and leaves pled out: then
-pled is off in the process, with one warning. The tables are attached on the first file asked for, once per
-process. If pled is configured but cannot serve, the file's load fails with pled's message, unless the
-fallback is ``"disk"``: then a warning, and the file is read as usual. Neither torch nor vLLM is imported here.
+Enabled by ``PLED_SOCKET`` (with ``PLED_TABLES=a,b``, ``PLED_FALLBACK=disk`` and ``PLED_ANSWER_TIMEOUT``) or,
+in a process where vLLM's config is already set, by ``--additional-config '{"pled": {"socket": ..., "tables":
+[...], "fallback": "disk", "answer_timeout": 10}}'``, unless vLLM's plugin allow-list ``VLLM_PLUGINS`` is set and
+leaves pled out: then pled is off in the process, with one warning. The tables are attached on the first file
+asked for, once per process. If pled is configured but cannot serve, the file's load fails with pled's message,
+unless the fallback is ``"disk"``: then a warning, and the file is read as usual. Neither torch nor vLLM is
+imported here.
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ class Settings:
     fallback: str | None  # "disk", or None: fail the load
     populate: bool = True
     source: str = "PLED_SOCKET"
+    answer_timeout: float = 10.0  # seconds pled has to answer one call (PLED_ANSWER_TIMEOUT, "answer_timeout")
 
 
 def _vllm_additional_config() -> dict:
@@ -102,7 +104,35 @@ def settings() -> Settings | None:
     if fallback not in (None, "disk"):
         raise PledUnavailable(f'pled: fallback must be "disk" or unset, not {fallback!r}')
     return Settings(socket, tables, fallback, bool(extra.get("populate", True)),
-                    "--additional-config" if extra.get("socket") else "PLED_SOCKET")
+                    "--additional-config" if extra.get("socket") else "PLED_SOCKET", _answer_timeout(extra))
+
+
+ANSWER_TIMEOUT = 10.0  # the default bound on one unanswered call: a pled that answers at all answers in milliseconds
+MAX_ANSWER_TIMEOUT = 3600.0
+STAGING_WAIT = 600.0  # how long a table pled says is still being staged is waited for (its progress said meanwhile)
+PROGRESS_EVERY = 5.0  # seconds between two lines of a staging table's progress
+POLL_EVERY = 1.0  # seconds between two asks whether a table still being staged is ready
+
+
+def _answer_timeout(extra: dict) -> float:
+    """The bound on one call pled does not answer, in seconds: --additional-config's ``"answer_timeout"`` (a JSON
+    number), else ``PLED_ANSWER_TIMEOUT`` (decimal digits, one optional fraction), else ANSWER_TIMEOUT; anything
+    else, or a bound outside (0, MAX_ANSWER_TIMEOUT], is refused in one line naming where it was set."""
+    if "answer_timeout" in extra:
+        value, where = extra["answer_timeout"], "--additional-config's pled answer_timeout"
+        ok = type(value) in (int, float)
+    elif os.environ.get("PLED_ANSWER_TIMEOUT") is not None:
+        value, where = os.environ["PLED_ANSWER_TIMEOUT"], "PLED_ANSWER_TIMEOUT"
+        whole, _, fraction = value.partition(".")
+        ok = len(value) <= 20 and whole.isascii() and whole.isdigit() and (fraction == "" or (
+            fraction.isascii() and fraction.isdigit()))
+        value = float(value) if ok else value
+    else:
+        return ANSWER_TIMEOUT
+    if not ok or not 0 < value <= MAX_ANSWER_TIMEOUT:
+        raise PledUnavailable(f"pled: {where} must be a number of seconds above 0 and at most "
+                              f"{MAX_ANSWER_TIMEOUT:g}, not {str(value)[:40]!r}")
+    return float(value)
 
 
 @dataclass
@@ -249,9 +279,9 @@ def _attach_all(st: State) -> None:
     try:
         names = s.tables
         if names is None:
-            names = _served_tables(client.call(protocol.STATUS, socket=s.socket), s.socket)
+            names = _served_tables(client.call(protocol.STATUS, socket=s.socket, timeout=s.answer_timeout), s.socket)
         for name in names:
-            table = client.attach(name, socket=s.socket, populate=s.populate, wait=True, timeout=600)
+            table = _attach_when_staged(name, s)
             st.tables[name] = table
             partial = table.manifest.form == "arrays"
             for shard in table.shards:
@@ -264,3 +294,38 @@ def _attach_all(st: State) -> None:
         st.refuse(f"a configured table is not served: {err}")
     except client.ClientError as err:
         st.refuse(f"configured by {s.source} ({s.socket}) but cannot attach: {err}")
+
+
+def _attach_when_staged(name: str, s: Settings):
+    """Attach table ``name``: each call bounded by ``s.answer_timeout`` (a pled that does not answer is a
+    DaemonUnavailable naming the socket and the wait, never a wait of minutes); a table pled says is still being
+    staged is asked for again every POLL_EVERY seconds, up to STAGING_WAIT, its progress said every PROGRESS_EVERY."""
+    import time
+
+    from pled import client
+
+    began = time.monotonic()
+    said = began
+    while True:
+        try:
+            return client.attach(name, socket=s.socket, populate=s.populate, timeout=s.answer_timeout)
+        except client.NotReady as err:
+            progress = err.progress if isinstance(err.progress, dict) else {}
+            waited = time.monotonic() - began
+            if progress.get("state") == "failed":
+                raise client.NotReady(f"pled at {s.socket} could not stage table {name!r} (its state: failed; "
+                                      "`pled status` says why)", progress) from None
+            if waited >= STAGING_WAIT:
+                raise client.NotReady(f"{err} after waiting {STAGING_WAIT:g} s for it", progress) from None
+            if time.monotonic() - said >= PROGRESS_EVERY:
+                said = time.monotonic()
+                emit(logging.INFO, "pled: table %s is still being staged at %s (%s of %s shards, %s of %s bytes); "
+                     "waited %.0f s of %g", name, s.socket, *(_shown(progress.get(k)) for k in
+                                                            ("shards_done", "shards", "bytes_done", "bytes")),
+                     waited, STAGING_WAIT)
+            time.sleep(POLL_EVERY)
+
+
+def _shown(value) -> str:
+    """A figure of pled's progress as a log shows it: an integer, or '?' (a peer's reply may hold anything)."""
+    return str(value) if type(value) is int else "?"

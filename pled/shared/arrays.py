@@ -110,7 +110,7 @@ def check(m) -> None:
     for t in m.tensors:
         if not 0 <= t.shard < len(m.shards):
             raise ValueError(f"puts tensor {clip(t.name, 80)!r} in file {t.shard}; there are {len(m.shards)} files")
-    end, seen = m.data_offset, set()
+    free, seen = m.data_offset, set()  # free: the first byte after the header, the manifest and the arrays so far
     for a in m.arrays:
         what = f"array {clip(a.prefix, 120)}.{clip(a.param, 20)}"
         if (a.prefix, a.param) in seen:
@@ -121,10 +121,11 @@ def check(m) -> None:
             raise ValueError(f"gives {what} dtype {clip(a.dtype, 40)!r} and a shape that {problem or 'is fine'}")
         if nbits(a.dtype, a.shape[1:]) % 8 or nbits(a.dtype, a.shape) != 8 * a.nbytes or a.parts < 0:
             raise ValueError(f"gives {what} {a.nbytes} bytes for {a.dtype}{list(a.shape)}, {a.parts} parts")
-        if a.offset % PMD_SIZE or a.offset < end or a.offset + a.nbytes > m.region_bytes:
+        if a.offset % PMD_SIZE or a.offset < free or a.offset + a.nbytes > m.region_bytes:
             raise ValueError(f"places {what} at bytes {a.offset}..{a.offset + a.nbytes}, not on a 2 MiB boundary at "
-                             f"or after byte {end} and inside the region's {m.region_bytes}")
-        end = a.offset + a.nbytes
+                             f"or after byte {free} (past the header and the arrays before it) and inside the "
+                             f"region's {m.region_bytes}")
+        free = a.offset + a.nbytes
         lo = 0
         ends = (*a.starts[1:], a.shape[0])
         for index, begin, start, end in zip(a.tensors, a.begins, a.starts, ends, strict=True):  # the columns

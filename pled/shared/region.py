@@ -174,6 +174,9 @@ class Manifest:
         if "arrays" in doc:
             doc["arrays"] = arrays_form.parse(doc["arrays"])
         manifest = cls(**doc)
+        if manifest.data_offset < _PREFIX.size + len(raw):
+            raise ValueError(f"puts the data at byte {manifest.data_offset}, over the header's {_PREFIX.size} bytes "
+                             f"and the manifest's {len(raw)}")
         _check_geometry(manifest)
         return manifest
 
@@ -223,6 +226,7 @@ def _check_geometry(m: Manifest) -> None:
         if t.offset < s.offset or t.offset + t.nbytes > s.offset + s.size:
             raise ValueError(f"places tensor {clip(t.name, 80)!r} at bytes {t.offset}..{t.offset + t.nbytes}, outside "
                              f"its shard {t.shard} (bytes {s.offset}..{s.offset + s.size} of {m.region_bytes})")
+    _refuse_overlapping_tensors(m.tensors)
     layout = layouts.LAYOUTS.get(m.layout)
     if layout is None:  # a generic table (or a layout this pled does not know): its tensors are all there is
         return
@@ -237,6 +241,24 @@ def _check_geometry(m: Manifest) -> None:
                              f"{rows} of width {width}")
     if sum(s.rows for s in m.shards) != m.rows:
         raise ValueError(f"says {m.rows} rows; its shards hold {sum(s.rows for s in m.shards)}")
+
+
+def check(manifest: Manifest) -> None:
+    """The checks every client makes of a region's manifest (the geometry of ``Manifest.from_json``), for the daemon
+    to make of its own plan: ValueError says what a client would refuse."""
+    _check_geometry(manifest)
+
+
+def _refuse_overlapping_tensors(tensors: tuple[TensorEntry, ...]) -> None:
+    """No two tensors of the files form share a byte (each lies in its shard, so shards apart, only a shard's own
+    can): sorted by offset, each begins at or after the end of every one before it. O(n log n); an empty tensor
+    holds no byte, and may lie anywhere in its shard."""
+    placed = sorted((t.offset, t.offset + t.nbytes, i) for i, t in enumerate(tensors) if t.nbytes)
+    for (_, end, i), (begin, _, j) in zip(placed, placed[1:], strict=False):
+        if begin < end:
+            a, b = tensors[i], tensors[j]
+            raise ValueError(f"places tensor {clip(b.name, 80)!r} at bytes {b.offset}..{b.offset + b.nbytes}, over "
+                             f"tensor {clip(a.name, 80)!r} at {a.offset}..{a.offset + a.nbytes} (shard {a.shard})")
 
 
 def plan(table: str, source) -> Manifest:

@@ -71,6 +71,11 @@ def plan_table(name: str, source: Source) -> region.Manifest:
     """The table's region as ``region.plan`` places it, refused (78) where its manifest is larger than a client
     reads (region.MAX_MANIFEST): every client would refuse the region pled staged."""
     manifest = region.plan(name, source)
+    try:  # what every client checks before it maps the region (arrays or tensors over each other...): never staged
+        region.check(manifest)
+    except ValueError as err:
+        raise SidecarError(source.source, f"table {clip(name)}: its region's plan {err}, which every client "
+                                          f"refuses; check the table's files with `pled inspect`") from None
     length = len(manifest.to_json())
     if length > region.MAX_MANIFEST:
         raise SidecarError(source.source, f"table {clip(name)}: its {len(manifest.tensors):,} tensors take a "
