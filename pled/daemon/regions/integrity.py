@@ -50,22 +50,25 @@ class Throttle:
     """Keeps a thread's CPU time under ``cpu_share`` of one core and its reads under ``bandwidth`` bytes/s."""
 
     def __init__(self, cpu_share: float, bandwidth: int, should_stop: Callable[[], bool] = lambda: False,
-                 sleep: Callable[[float], object] = time.sleep) -> None:
+                 sleep: Callable[[float], object] = time.sleep, clock: Callable[[], float] = time.monotonic,
+                 cpu_clock: Callable[[], float] = time.thread_time) -> None:
         self.cpu_share = cpu_share
         self.bandwidth = bandwidth
         self.should_stop = should_stop
-        self.sleep = sleep
-        self.start_wall = time.monotonic()
-        self.start_cpu = time.thread_time()
+        self.sleep, self.clock, self.cpu_clock = sleep, clock, cpu_clock
+        self.start_wall = clock()
+        self.start_cpu = cpu_clock()
         self.done = 0
+        self.paused = 0.0  # seconds slept, all told
 
     def account(self, nbytes: int) -> None:
         """``nbytes`` were read and hashed: pause as the share and the bandwidth say; Stopped if pled is stopping."""
         self.done += nbytes
-        wall = time.monotonic() - self.start_wall
-        cpu = time.thread_time() - self.start_cpu
+        wall = self.clock() - self.start_wall
+        cpu = self.cpu_clock() - self.start_cpu
         pause = max(cpu / self.cpu_share, self.done / self.bandwidth) - wall
         if pause > 0:
+            self.paused += pause
             self.sleep(pause)
         if self.should_stop():
             raise Stopped("pled is stopping")
