@@ -210,11 +210,13 @@ def every_mutation() -> list[Mutation]:
     import mutations_metrics
     import mutations_parsers
     import mutations_reload
+    import mutations_writable
 
     return [*MUTATIONS, *mutations_access.MUTATIONS, *mutations_reload.MUTATIONS, *mutations_metrics.MUTATIONS,
             *mutations_journal.MUTATIONS, *mutations_hugetlb.MUTATIONS, *mutations_arrays.MUTATIONS,
             *mutations_parsers.MUTATIONS, *mutations_audit_kernel.MUTATIONS, *mutations_audit_serving.MUTATIONS,
-            *mutations_audit_vllm.MUTATIONS]
+            *mutations_audit_vllm.MUTATIONS,
+            *mutations_writable.MUTATIONS]
 
 
 def main(mutations: list[Mutation] | None = None) -> int:

@@ -67,7 +67,10 @@ def attach(table: str, socket: str | None = None, timeout: float = 10.0, populat
                 raise ProtocolError(f"pled at {conn.path} sent generation {generation!r:.40} for table {table!r}, "
                                     f"not a count")
             gpu_access, gpu_routes, writer = _gpu_side(params, conn.path, table, fd)
-            region.check_sealed_memfd(fd, writable=gpu_access == "writable")  # first: nothing read below can shrink
+            if gpu_access == "writable":  # its writers may change it; nothing read below can shrink or vanish
+                region.check_sealed_memfd(fd, writable=True)
+            else:
+                region.check_sealed_memfd(fd)  # first: once sealed, nothing read below can change or shrink
         except RegionError as err:
             os.close(fd)
             raise BadRegion(f"the region pled at {conn.path} sent for table {table!r} is refused: {err}; "

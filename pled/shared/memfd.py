@@ -45,11 +45,14 @@ def check_sealed_memfd(fd: int, writable: bool = False) -> None:
     except OSError as err:
         why = "a file that cannot be sealed, such as one on disk" if err.errno == errno.EINVAL else err.strerror
         raise RegionError(f"fd {fd} is not a memfd: F_GET_SEALS fails ({why})") from err
-    want = WRITABLE_SEALS if writable else SEALS
-    if have & want != want:
+    if writable:
+        if have & WRITABLE_SEALS != WRITABLE_SEALS:
+            raise RegionError(f"fd {fd} is not sealed (seals {have:#x}; a writable table's region has "
+                              f"{WRITABLE_SEALS:#x}: shrink, grow, seal)")
+        return
+    if have & SEALS != SEALS:
         raise RegionError(f"fd {fd} is not sealed "
-                          f"(seals {have:#x}; a region has {want:#x}: shrink, grow, "
-                          f"{'seal; a writable table' if writable else 'write, seal'})")
+                          f"(seals {have:#x}; a region has {SEALS:#x}: shrink, grow, write, seal)")
 
 
 def map_readonly(fd: int) -> mmap.mmap:

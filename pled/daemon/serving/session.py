@@ -98,7 +98,10 @@ class Outgoing:
         fds: list[int] = []
         try:
             for r in reply.regions:
-                fds.append(fcntl.fcntl(r.fd, fcntl.F_DUPFD_CLOEXEC, 0) if reply.writable else readonly_duplicate(r.fd))
+                if reply.writable:  # a writer its config names: a duplicate of pled's own read-write open file
+                    fds.append(fcntl.fcntl(r.fd, fcntl.F_DUPFD_CLOEXEC, 0))
+                    continue
+                fds.append(readonly_duplicate(r.fd))
         except BaseException:
             for fd in fds:
                 os.close(fd)
