@@ -37,7 +37,7 @@ MUTATIONS = [
     Mutation("any uid counted as a writer", "pled/daemon/handlers.py",
              "conn.peer.uid in cfg.writer_uids", "conn.peer.uid >= 0", (NON_WRITER + "[fchmod]",)),
     Mutation("the fd store adopts a writable region after a restart", "pled/daemon/systemd/fdstore.py",
-             "            if region.seals(item.fd) & fcntl.F_SEAL_WRITE == 0:\n", "            if False:\n",
+             "if region.seals(item.fd) & region.SEALS == region.WRITABLE_SEALS:", "if False:",
              (UNITS + "test_the_fd_store_never_adopts_a_writable_region_nor_a_sealed_one_for_a_writable_table",)),
     Mutation("writers accepted on a read-only table", "pled/daemon/config.py",
              '        if self.gpu_access != "writable":\n            for key, given in',

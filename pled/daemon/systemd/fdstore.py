@@ -19,7 +19,6 @@ table's old generation before storing its new one, so a full store still keeps t
 """
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 from collections.abc import Callable, MutableMapping
@@ -200,7 +199,7 @@ def adopt_stored(stored: list[StoredFd], planned: dict[str, Manifest], store: Fd
             drop(item, f"table {table} is no longer in the config")
             continue
         try:
-            if region.seals(item.fd) & fcntl.F_SEAL_WRITE == 0:
+            if region.seals(item.fd) & region.SEALS == region.WRITABLE_SEALS:  # all but the write seal
                 drop(item, f"table {table} generation {generation} was writable (gpu_access = \"writable\"): a "
                            f"writer may have changed it while pled was stopped; staging it anew")
                 continue
