@@ -94,7 +94,8 @@ def _show_status(args, st: dict) -> int:
     from pled.shared import protocol
     from pled.shared.sizes import gib
 
-    healthy = all(t["state"] == "ready" and t.get("resident_share", 0) >= protocol.FULLY_RESIDENT for t in st["tables"])
+    healthy = all(t["state"] == "ready" and t.get("resident_share", 0) >= protocol.FULLY_RESIDENT
+                  and not t.get("modified") for t in st["tables"])
     code = 0 if healthy or args.live else 1  # --live: it answered in time, staging or not
     if args.format == "prometheus":  # for a scraper: the figures say the health, so any answer is a success
         from pled.shared import metrics
@@ -130,6 +131,15 @@ def _show_status(args, st: dict) -> int:
                          "its own 2 MiB boundary; `pled status --json` lists them)")
         if t.get("error"):
             notes.append(f"{t['table']}: {t['error']}")
+        if t.get("gpu_access") == "writable":
+            m = t.get("modification") or {}
+            writers = ", ".join(f"pid {p}" for p in m.get("writers") or []) or "none"
+            notes.append(f"{t['table']}: MODIFIED: bytes [{m.get('start')}, {m.get('end')}) ({m.get('what')}) differ "
+                         f"from what pled staged, found {m.get('found_seconds_ago')} s ago; writers attached then: "
+                         f"{writers}; `pled verify --repair` restages it for new attaches"
+                         if t.get("modified") else
+                         f"{t['table']}: writable by its writers (gpu_access = \"writable\"); "
+                         f"{(t.get('verify') or {}).get('verifies', 0)} scheduled verify(s), no difference")
     if (st.get("daemon") or {}).get("metrics_file_error"):
         notes.append(f"the metrics file cannot be written: {st['daemon']['metrics_file_error']}")
     for note in notes:
@@ -182,9 +192,34 @@ def _show_reload(result: dict) -> int:
 
 
 def _verify(args) -> int:
+    from pled.shared import protocol
     from pled.verify import verify
 
-    return verify(_socket_for(args), args.table)
+    code = verify(_socket_for(args), args.table)
+    if not args.repair or code == EX_NOT_RUNNING:
+        return code
+    # --repair: a table that differs (its files, or a writable table a writer changed) is staged anew as a clean
+    # generation for new attaches, by the daemon's own reload (which stages every table the scheduled verify found
+    # modified, and every table whose files changed)
+    args.timeout = 3600.0
+    status, failed = _call(args, protocol.STATUS, "verify --repair")
+    if status is None:
+        return failed
+    listed = status.get("tables") if isinstance(status.get("tables"), list) else []
+    modified = [t.get("table") for t in listed if isinstance(t, dict) and t.get("modified") is True]
+    if code == 0 and not modified:
+        say("pled verify --repair: nothing to repair")
+        return 0
+    result, failed = _call(args, protocol.RELOAD, "verify --repair")
+    if result is None:
+        return failed
+    try:
+        _show_reload(result)
+    except UNREADABLE as err:
+        return _unreadable("verify --repair", "Reload", args, err)
+    say("pled verify --repair: new attaches get the generation(s) above; processes attached to the old one keep "
+        "it until they attach again")
+    return 0
 
 
 def _demo(args) -> int:
@@ -269,6 +304,9 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("verify", parents=[daemon],
                        help="compare each table in memory with its source files, byte for byte")
     s.add_argument("table", nargs="?", help="one table (default: all)")
+    s.add_argument("--repair", action="store_true",
+                   help="where a table differs, have pled stage a clean generation for new attaches (a reload; root "
+                        "or pled's user); exit 0 once it is staged")
     s.set_defaults(func=_verify)
 
     s = sub.add_parser("demo", help="stage a small synthetic sidecar and read it back")

@@ -198,25 +198,14 @@ def pytest(tests: tuple[str, ...], timeout: float) -> tuple[int, float, str]:
 
 
 def every_mutation() -> list[Mutation]:
-    """This file's list and those of the test areas that keep their own (imported here, not at the top: they import
-    this module's Mutation, and this module runs as ``__main__``)."""
-    import mutations_access
-    import mutations_arrays
-    import mutations_audit_kernel
-    import mutations_audit_serving
-    import mutations_audit_vllm
-    import mutations_client_44
-    import mutations_hugetlb
-    import mutations_journal
-    import mutations_metrics
-    import mutations_parsers
-    import mutations_reload
+    """This file's list and those of the test areas that keep their own: every tools/mutations_*.py, in name order
+    (imported here, not at the top: they import this module's Mutation, and this module runs as ``__main__``)."""
+    import importlib
 
-    return [*MUTATIONS, *mutations_access.MUTATIONS, *mutations_reload.MUTATIONS, *mutations_metrics.MUTATIONS,
-            *mutations_journal.MUTATIONS, *mutations_hugetlb.MUTATIONS, *mutations_arrays.MUTATIONS,
-            *mutations_parsers.MUTATIONS, *mutations_audit_kernel.MUTATIONS, *mutations_audit_serving.MUTATIONS,
-            *mutations_audit_vllm.MUTATIONS,
-            *mutations_client_44.MUTATIONS]
+    found = [*MUTATIONS]
+    for path in sorted(Path(__file__).resolve().parent.glob("mutations_*.py")):
+        found += importlib.import_module(path.stem).MUTATIONS
+    return found
 
 
 def main(mutations: list[Mutation] | None = None) -> int:

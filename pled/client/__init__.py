@@ -18,7 +18,7 @@ from importlib import import_module
 _HOME = {
     "attach": "library",
     **dict.fromkeys(("call", "socket_path", "Connection", "DEFAULT_SOCKET", "ENV_SOCKET", "ClientError",
-                     "DaemonUnavailable", "PermissionDenied", "NoSuchTable", "NotReady", "ReloadFailed",
+                     "DaemonUnavailable", "PermissionDenied", "NotWritable", "NoSuchTable", "NotReady", "ReloadFailed",
                      "ProtocolError", "BadRegion"), "connection"),
     **dict.fromkeys(("Table", "TensorViews"), "mapped_table"),
 }

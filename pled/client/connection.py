@@ -48,6 +48,11 @@ class ReloadFailed(ClientError):
     """pled could not reload; it serves what it served before."""
 
 
+class NotWritable(PermissionDenied):
+    """This process did not get the read-write fd of a table (not a writer its config names, or not a writable
+    table), and something asked it to write or register the table writable."""
+
+
 class ProtocolError(ClientError):
     """The daemon answered something this client does not understand."""
 

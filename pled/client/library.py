@@ -12,6 +12,7 @@ the mapped table (pled.client.mapped_table). This module never imports the daemo
 """
 from __future__ import annotations
 
+import fcntl
 import os
 
 from pled.client.connection import (
@@ -23,6 +24,7 @@ from pled.client.connection import (
     DaemonUnavailable,
     NoSuchTable,
     NotReady,
+    NotWritable,
     PermissionDenied,
     ProtocolError,
     ReloadFailed,
@@ -36,8 +38,8 @@ from pled.shared.boundary import OutOfTime, deadline as parse_deadline
 from pled.shared.errors import RegionError
 
 __all__ = ["attach", "call", "socket_path", "Table", "TensorViews", "Connection", "DEFAULT_SOCKET", "ENV_SOCKET",
-           "ClientError", "DaemonUnavailable", "PermissionDenied", "NoSuchTable", "NotReady", "ReloadFailed",
-           "ProtocolError", "BadRegion"]
+           "ClientError", "DaemonUnavailable", "PermissionDenied", "NotWritable", "NoSuchTable", "NotReady",
+           "ReloadFailed", "ProtocolError", "BadRegion"]
 
 
 def attach(table: str, socket: str | None = None, timeout: float = 10.0, populate: bool = True, wait: bool = False,
@@ -64,7 +66,11 @@ def attach(table: str, socket: str | None = None, timeout: float = 10.0, populat
             if type(generation) is not int or generation < 0:
                 raise ProtocolError(f"pled at {conn.path} sent generation {generation!r:.40} for table {table!r}, "
                                     f"not a count")
-            region.check_sealed_memfd(fd)  # first: once sealed, nothing read below can change or shrink
+            gpu_access, gpu_routes, writer = _gpu_side(params, conn.path, table, fd)
+            if gpu_access == "writable":  # its writers may change it; nothing read below can shrink or vanish
+                region.check_sealed_memfd(fd, writable=True)
+            else:
+                region.check_sealed_memfd(fd)  # first: once sealed, nothing read below can change or shrink
         except RegionError as err:
             os.close(fd)
             raise BadRegion(f"the region pled at {conn.path} sent for table {table!r} is refused: {err}; "
@@ -77,7 +83,8 @@ def attach(table: str, socket: str | None = None, timeout: float = 10.0, populat
         raise
     try:
         with parse_deadline(conn.deadline):  # bounds the manifest's parse and checks; pre-faulting looks at no clock
-            t = Table(fd, generation, populate, attachment=conn)  # closes fd and conn if it fails
+            t = Table(fd, generation, populate, attachment=conn, gpu_access=gpu_access, gpu_routes=gpu_routes,
+                      writer=writer)  # closes fd and conn if it fails
     except BadRegion as err:
         raise BadRegion(f"the region pled at {conn.path} sent for table {table!r} is refused: {err}") from err
     except OutOfTime as err:
@@ -92,3 +99,28 @@ def attach(table: str, socket: str | None = None, timeout: float = 10.0, populat
         t.close()
         raise
     return t
+
+
+_ACCESS = ("read-only", "writable")
+_ROUTES = ("read-only", "pageable", "writable")
+
+
+def _gpu_side(params: dict, path: str, table: str, fd: int) -> tuple[str, tuple[str, ...], bool]:
+    """The reply's gpu_access, gpu_routes and writer (a pled before them: read-only, its two routes, no writer),
+    checked; a writer's fd must be open read-write, anyone else's read-only."""
+    access = params.get("gpu_access", "read-only")
+    routes = params.get("gpu_routes", ["read-only", "pageable"])
+    writer = params.get("writer", False)
+    if access not in _ACCESS or type(writer) is not bool or (writer and access != "writable"):
+        raise ProtocolError(f"pled at {path} sent gpu_access {access!r:.40} and writer {writer!r:.20} for table "
+                            f"{table!r}, not what this client knows")
+    if (not isinstance(routes, list) or not 0 < len(routes) <= len(_ROUTES) or len(set(map(str, routes))) != len(routes)
+            or not all(isinstance(r, str) and r in _ROUTES for r in routes)):
+        raise ProtocolError(f"pled at {path} sent gpu_routes {routes!r:.80} for table {table!r}, not a list of "
+                            f"distinct routes among {', '.join(_ROUTES)}")
+    mode = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
+    if mode != (os.O_RDWR if writer else os.O_RDONLY) and not (not writer and access == "read-only"):
+        raise ProtocolError(f"pled at {path} sent table {table!r}'s fd open "
+                            f"{'read-write' if mode == os.O_RDWR else 'read-only'} "
+                            f"to {'a writer' if writer else 'a client that is not a writer'}")
+    return access, tuple(routes), writer

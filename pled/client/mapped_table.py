@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pled.client.connection import BadRegion, ClientError
+from pled.client.connection import BadRegion, ClientError, NotWritable
 from pled.shared import hugepages, region
 from pled.shared.errors import RegionError
 
@@ -57,15 +57,23 @@ class Table:
     # shard index -> why its tensors cannot all be viewed here (None: they can); made on first use
     _unviewable: dict[int, str | None] | None = None
 
-    def __init__(self, fd: int, generation: int, populate: bool, attachment=None) -> None:
+    def __init__(self, fd: int, generation: int, populate: bool, attachment=None, *, gpu_access: str = "read-only",
+                 gpu_routes: tuple[str, ...] = ("read-only", "pageable"), writer: bool = False) -> None:
         self._attachment = attachment
         self._fd = fd  # owned from here on: a failure below closes it with the rest
         self.generation = generation
         self.populate_seconds = 0.0
+        # The GPU side (the daemon's Attach reply): "writable" where the table's config opts in; ``writer``: this
+        # process got the read-write fd (a writer the config names) and maps it shared and writable until protect().
+        self.gpu_access = gpu_access
+        self.gpu_routes = tuple(gpu_routes)
+        self.writer = writer
+        self.protected = not writer
         try:
             try:
                 self.manifest = region.read_manifest(fd)
-                self._map = region.map_readonly(fd)
+                self._map = (mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED,
+                                       prot=mmap.PROT_READ | mmap.PROT_WRITE) if writer else region.map_readonly(fd))
             except (RegionError, OSError) as err:
                 raise BadRegion(f"{err}; refusing to map it") from err
             self._views = [None] * len(self.manifest.tensors)
@@ -101,6 +109,31 @@ class Table:
     @property
     def closed(self) -> bool:
         return self._map is None
+
+    def require_writer(self, what: str = "write this table") -> None:
+        """NotWritable unless this process holds the table's read-write mapping (not yet protected)."""
+        if not self.writer:
+            why = ("it is not writable (gpu_access = \"read-only\" in pled's config)" if self.gpu_access != "writable"
+                   else f"uid {os.geteuid()} is not one of its writers (the table's writers = [...] in pled's config)")
+            raise NotWritable(f"cannot {what}: table {self.manifest.table}: {why}")
+        if self.protected:
+            raise NotWritable(f"cannot {what}: table {self.manifest.table}'s mapping in this process was made "
+                              "read-only (Table.protect())")
+
+    def protect(self) -> None:
+        """Make this process's mapping read-only (mprotect PROT_READ): the writable route calls it right after it
+        registered the table with the GPU. Idempotent; a non-writer's mapping is read-only already."""
+        if self.protected:
+            return
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        if libc.mprotect(self.address, len(self.buffer), mmap.PROT_READ) != 0:
+            err = ctypes.get_errno()
+            raise ClientError(f"making table {self.manifest.table} read-only in this process failed: "
+                              f"{os.strerror(err)} (mprotect, errno {err})")
+        self.protected = True
 
     @property
     def address(self) -> int:

@@ -11,6 +11,8 @@
     fdstore_max = 64               # the unit's FileDescriptorStoreMax=, used where systemd < 254 does not pass it
     metrics_file = "/var/lib/prometheus/node-exporter/pled.prom"  # optional: metrics for the textfile collector
     metrics_interval = 15          # seconds: the metrics file is written at least this often
+    verify_cpu_share = 0.1         # the scheduled verify of writable tables: at most this share of one core
+    verify_bandwidth = "1GB/s"     # and at most this many bytes a second of memory read
 
     [[table]]
     name = "ples_int4"
@@ -21,6 +23,10 @@
     [[table]]
     name = "qwen4-ple"
     checkpoint = "/srv/models/qwen4"                # or a checkpoint's PLE tables, as arrays for vLLM 0.33
+    gpu_access = "writable"        # opt-in: GPUs without read-only registration (docs/operations.md)
+    writers = ["vllm"]             # the users (names or uids) who get a read-write fd; only with writable
+    gpu_routes = ["read-only", "pageable", "writable"]  # the order a client tries its GPU routes in
+    verify_interval = 60           # seconds between two verifies of a writable table's bytes
 
 Relative table paths, and a relative metrics_file, are taken relative to the directory of the config file.
 """
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import grp
 import os
+import pwd
 import tomllib
 from pathlib import Path
 from typing import Literal
@@ -58,6 +65,15 @@ from pled.shared.sizes import parse_size
 HugePages = Literal["auto", "prefer-hugetlb", "hugetlb", "off"]
 Numa = Literal["interleave", "local"] | tuple[StrictInt, ...]  # a list of nodes: bind to them
 _PAGE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+GpuAccess = Literal["read-only", "writable"]
+GpuRoute = Literal["read-only", "pageable", "writable"]
+GPU_ROUTES: tuple[str, ...] = ("read-only", "pageable", "writable")  # the default order
+DEFAULT_VERIFY_INTERVAL = 60.0  # seconds between two verifies of a writable table
+
+
+def writer_uid(writer: int | str) -> int:
+    """A ``writers`` entry (a user name or a uid) as a uid; KeyError for a name this host does not know."""
+    return writer if isinstance(writer, int) else pwd.getpwnam(writer).pw_uid
 
 
 def page_size_bytes(text: str) -> int:
@@ -98,9 +114,75 @@ class TableConfig(BaseModel):
     huge_pages: HugePages | None = None
     huge_page_size: str | None = None
     numa: Numa | None = None
+    # The GPU side (issue 45): "writable" lets the uids in ``writers`` map the table writable (for a GPU that cannot
+    # register read-only memory); pled then verifies its bytes every ``verify_interval`` seconds.
+    gpu_access: GpuAccess = "read-only"
+    writers: tuple[StrictInt | str, ...] = ()
+    gpu_routes: tuple[GpuRoute, ...] = GPU_ROUTES  # type: ignore[assignment]
+    verify_interval: float | None = None  # seconds; None: DEFAULT_VERIFY_INTERVAL for a writable table
 
     _page_size = field_validator("huge_page_size")(classmethod(lambda cls, v: _check_page_size(v)))
     _numa = field_validator("numa", mode="before")(classmethod(lambda cls, v: _check_numa(v)))
+
+    @field_validator("writers")
+    @classmethod
+    def _writers(cls, writers: tuple[int | str, ...]) -> tuple[int | str, ...]:
+        for w in writers:
+            if isinstance(w, str):
+                try:
+                    writer_uid(w)
+                except KeyError:
+                    raise ValueError(f"no user named {clip(w, 64)!r} on this host; create it or use a uid") from None
+            elif not 0 <= w < 2**32 - 1:
+                raise ValueError(f"{w} is not a uid")
+        if len(set(writers)) != len(writers):
+            raise ValueError("names a writer twice")
+        return writers
+
+    @field_validator("gpu_routes")
+    @classmethod
+    def _routes(cls, routes: tuple[str, ...]) -> tuple[str, ...]:
+        if not routes:
+            raise ValueError("an empty list; name at least one of \"read-only\", \"pageable\", \"writable\"")
+        if len(set(routes)) != len(routes):
+            raise ValueError(f"{list(routes)} names a route twice")
+        return routes
+
+    @field_validator("verify_interval", mode="before")
+    @classmethod
+    def _interval(cls, value: object) -> object:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0.1 <= value <= 86400):
+            raise ValueError("expected seconds, a number from 0.1 to 86400")
+        return value
+
+    @model_validator(mode="after")
+    def _writable(self) -> TableConfig:
+        if self.gpu_access != "writable":
+            for key, given in (("writers", self.writers), ("verify_interval", self.verify_interval is not None)):
+                if given:
+                    raise ValueError(f"{key} is only for a table with gpu_access = \"writable\"; add that (read "
+                                     f"docs/operations.md, \"The writable route\", first) or remove {key}")
+        elif not self.writers:
+            raise ValueError("gpu_access = \"writable\" needs writers = [...], the users (names or uids) who may "
+                             "write the table, for example [\"vllm\"]")
+        return self
+
+    @property
+    def writable(self) -> bool:
+        return self.gpu_access == "writable"
+
+    @property
+    def writer_uids(self) -> frozenset[int]:
+        """The uids that receive a read-write fd (empty unless writable)."""
+        return frozenset(writer_uid(w) for w in self.writers) if self.writable else frozenset()
+
+    @property
+    def verify_seconds(self) -> float | None:
+        """Seconds between two scheduled verifies; None for a read-only table (sealed: nothing can change)."""
+        if not self.writable:
+            return None
+        return self.verify_interval if self.verify_interval is not None else DEFAULT_VERIFY_INTERVAL
 
     @field_validator("path", "checkpoint")
     @classmethod
@@ -137,6 +219,8 @@ class Config(BaseModel):
     fdstore_max: StrictInt = Field(default=64, ge=0, le=1 << 20)  # FileDescriptorStoreMax=, where systemd does not say
     metrics_file: str | None = Field(default=None, min_length=1, max_length=4096)  # None: no metrics file
     metrics_interval: float = Field(default=15.0, ge=1, le=3600)  # seconds; the file is also written on each change
+    verify_cpu_share: float = Field(default=0.1, gt=0, le=1)  # of one core, for the scheduled verify (writable tables)
+    verify_bandwidth: int = 1_000_000_000  # bytes/s of memory the scheduled verify reads at most
     tables: tuple[TableConfig, ...] = Field(default=(), alias="table")
     _source: str = PrivateAttr(default="<defaults>")
 
@@ -177,7 +261,18 @@ class Config(BaseModel):
             raise ValueError("expected bytes or a string like \"1GiB\"")
         return parse_size(value)
 
-    @field_validator("staging_bandwidth", mode="before")
+    @field_validator("verify_cpu_share", mode="before")
+    @classmethod
+    def _share(cls, value: object) -> object:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError("expected a share of one core, a number above 0 and at most 1 (0.1: a tenth)")
+        return value
+
+    def table(self, name: str) -> TableConfig | None:
+        """The table of that name in this config, if any."""
+        return next((t for t in self.tables if t.name == name), None)
+
+    @field_validator("staging_bandwidth", "verify_bandwidth", mode="before")
     @classmethod
     def _bandwidth(cls, value: object) -> int:
         """Bytes per second: 200000000, "200MB", "200MB/s", "1.5GiB/s"."""

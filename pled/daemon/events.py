@@ -66,5 +66,15 @@ class PlanningFailed:
     error: BaseException
 
 
+@dataclass(frozen=True, eq=False)
+class Verified:
+    """The scheduled verify of a writable table's ``region`` ended: ``outcome`` (integrity.Outcome), or ``error``."""
+
+    table: TableState
+    region: Region
+    outcome: object | None
+    error: BaseException | None = None
+
+
 StagingEnded = Staged | StagingFailed | StagingCancelled
-Event = StagingEnded | Planned | PlanningFailed
+Event = StagingEnded | Planned | PlanningFailed | Verified

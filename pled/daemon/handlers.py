@@ -111,17 +111,30 @@ class Handlers:
         """The reply carries the region (a read-only fd of its own, opened when it is queued); the client counts
         as attached once the kernel has accepted the message that carries it, not before."""
         # The manifest itself travels in the region's header; the reply names what the client must find there.
+        # What the client is told of the GPU side, and whether it gets the read-write fd, follows the region itself
+        # (a writable one is not write-sealed) and the config in force now (its writers).
+        cfg = self.registry.config.table(t.name)
+        writable = t.writable
+        writer = writable and cfg is not None and conn.peer.uid in cfg.writer_uids
+        routes = list(cfg.gpu_routes) if cfg is not None else ["read-only", "pageable"]
         return Reply(protocol.reply(table=t.name, generation=t.generation, fingerprint=t.manifest.fingerprint,
-                                    region_bytes=t.manifest.region_bytes), regions=(t.region,),
-                     on_sent=lambda: self._attached(conn, t.name, t.generation))
+                                    region_bytes=t.manifest.region_bytes,
+                                    gpu_access="writable" if writable else "read-only", gpu_routes=routes,
+                                    writer=writer),
+                     regions=(t.region,), writable=writer,
+                     on_sent=lambda: self._attached(conn, t.name, t.generation, writer))
 
-    def _attached(self, conn: Session, name: str, generation: int) -> None:
+    def _attached(self, conn: Session, name: str, generation: int, writer: bool = False) -> None:
         first = name not in conn.attached
         conn.attached[name] = generation
+        if writer:
+            conn.writes.add(name)
         self.counters.attached()
         if first:
-            self._lines.log(conn.peer.uid, log.info, "client attached: table %s generation %d to %s; %d client(s) "
-                            "attached", name, generation, conn.peer.describe(), self.attached_count(),
+            self._lines.log(conn.peer.uid, log.info, "client attached: table %s generation %d to %s%s; %d client(s) "
+                            "attached", name, generation, conn.peer.describe(),
+                            " with a read-write fd (a writer: gpu_access = \"writable\")" if writer else "",
+                            self.attached_count(),
                             extra=journal.fields("client_attached", table=name, generation=generation, peer=conn.peer))
             self.clients_changed()
 

@@ -20,6 +20,7 @@ A released generation's region is closed here; clients that hold its fd or map i
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
@@ -67,8 +68,13 @@ class Registry:
         return all(t.state is State.READY for t in self._served.values())
 
     def identities(self) -> dict[str, Manifest]:
-        """What each served table was planned from (its manifest without digests), for a reload to compare."""
-        return {name: t.manifest.identity() for name, t in self._served.items()}
+        """What each served table was planned from (its manifest without digests), for a reload to compare. A table
+        the scheduled verify found modified (gpu_access = "writable") is left out: a reload stages it anew."""
+        return {name: t.manifest.identity() for name, t in self._served.items() if t.modified is None}
+
+    def writable(self) -> frozenset[str]:
+        """The served tables whose regions are writable (not write-sealed), for a reload to compare with its config."""
+        return frozenset(name for name, t in self._served.items() if t.writable)
 
     def page_sizes(self) -> dict[str, int]:
         """Each served table's hugetlb page size, 0 on shared memory (read from its memfd), for a reload to compare."""
@@ -108,6 +114,8 @@ class Registry:
         match event:
             case Staged(region=region):
                 t.region, t.manifest, t.outcome = region, region.manifest, State.READY  # the manifest with digests
+                if t.writable:  # its header as staged, for the scheduled verify: kept before any writer maps it
+                    t.header = os.pread(region.fd, region.manifest.data_offset, 0)
                 log.info("%s", staging.describe_ready(region),
                          extra=journal.fields(table=t.name, generation=t.generation))
                 if self._served.get(t.name) is t:  # a reload's generation is stored once it is served (switch)

@@ -111,7 +111,9 @@ class Reloader:
                            f"STATUS=reloading {source}")
         self.current = Reload(callers=[caller] if caller else [])
         served, served_pages = self.registry.identities(), self.registry.page_sizes()
-        self.stager.run("planned", lambda: Planned(parsing.plan_reload(source, served, self.proc_root, served_pages)),
+        writable = self.registry.writable()
+        self.stager.run("planned", lambda: Planned(parsing.plan_reload(source, served, self.proc_root, served_pages,
+                                                                       writable)),
                         on_error=PlanningFailed)
         return PENDING if caller else None
 

@@ -62,7 +62,15 @@ class Stager:
         (``TableState.pages``), at ``config``'s bandwidth; each end goes to ``owner`` (through the registry)."""
         if not tables:
             return
-        worker = threading.Thread(target=self._stage_list, args=(tables, owner, config.staging_bandwidth),
+        writable = frozenset(t.name for t in config.tables if t.writable)  # gpu_access = "writable": not write-sealed
+        for cfg in config.tables:
+            if cfg.writable and any(t.name == cfg.name for t in tables):  # never silent: who may write, how it is seen
+                log.warning("table %s is writable (gpu_access = \"writable\"): %s receive(s) a read-write fd and may "
+                            "change what every client of it reads; every other client gets a read-only fd; pled "
+                            "verifies its bytes every %g s", cfg.name, ", ".join(
+                                w if isinstance(w, str) else f"uid {w}" for w in cfg.writers), cfg.verify_seconds,
+                            extra=journal.fields(table=cfg.name))
+        worker = threading.Thread(target=self._stage_list, args=(tables, owner, config.staging_bandwidth, writable),
                                   name="pled-staging", daemon=True)
         self._staging = [w for w in self._staging if w.is_alive()] + [worker]
         worker.start()
@@ -73,7 +81,8 @@ class Stager:
         finally:
             self._reading.pop(threading.current_thread(), None)
 
-    def _stage_tables(self, tables: list[TableState], owner: events.StagingOwner, bandwidth: int | None) -> None:
+    def _stage_tables(self, tables: list[TableState], owner: events.StagingOwner, bandwidth: int | None,
+                      writable: frozenset[str] = frozenset()) -> None:
         """One table after another; each result goes to the loop as an event."""
         for t in tables:
             if self._stop.is_set():
@@ -94,7 +103,7 @@ class Stager:
             try:
                 r = staging.stage(t.name, t.sidecar, planned=t.manifest, pages=t.pages,
                                   sys_root=self._sys_root, on_shard=on_shard, should_stop=self._stop.is_set,
-                                  bandwidth=bandwidth)
+                                  bandwidth=bandwidth, writable=t.name in writable)
             except staging.StagingCancelled as err:
                 self._post(events.StagingCancelled(t, str(err), owner))
                 return

@@ -50,7 +50,8 @@ def prepare(registry: Registry, store: FdStore, notifier: Notifier, stored: list
     def mismatch(table: str, page_size: int) -> str:
         return pageplan.mismatch(placements[table], page_size, planned[table].region_bytes, proc_root)
 
-    adopted = fdstore.adopt_stored(stored, planned, store, mismatch)
+    adopted = fdstore.adopt_stored(stored, planned, store, mismatch,
+                                   writable=frozenset(t.name for t in config.tables if t.writable))
     left = {name: m for name, m in planned.items() if name not in adopted.adopted}
     pages = planning.plan_pages(config, left, proc_root, log_as="", placements=placements) if left else {}
     to_stage = registry.open(sidecars, {n: m.paged(pages[n].page_size) if n in pages else m

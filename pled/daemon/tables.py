@@ -12,6 +12,7 @@ that, Status shows the last answer with its age and how long the check has been 
 """
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import threading
@@ -143,6 +144,21 @@ class TableState:
     source_check: SourceCheck = field(default_factory=SourceCheck, repr=False)
     pages: PagePlan | None = None  # the pages it is staged on, as decided before staging; None when adopted
     _pages_status: tuple | None = field(default=None, init=False, repr=False)  # (region, its page keys in Status)
+    # A writable table (gpu_access = "writable"; not write-sealed): its header and manifest as staged, kept before it
+    # was served, for the scheduled verify; what the last verify found (``modified``: None while nothing differs).
+    header: bytes | None = field(default=None, repr=False)
+    modified: dict | None = None  # {"start", "end", "what", "writers": [pids], "found_seconds_ago" at Status}
+    modified_at: float = 0.0
+    verifies: int = 0  # scheduled verifies ended
+    verify_due: float = 0.0  # time.monotonic() of the next one
+    verifying: bool = False  # one under way (in a worker thread)
+    last_verify: dict | None = None  # {"seconds", "cpu_seconds", "bytes", "at"} of the last one
+
+    @property
+    def writable(self) -> bool:
+        """Its region is served without the write seal (gpu_access = "writable"): writers may change it."""
+        r = self.region
+        return r is not None and not r.closed and not region.seals(r.fd) & fcntl.F_SEAL_WRITE
 
     @property
     def state(self) -> State:
@@ -213,6 +229,17 @@ class TableState:
                 staging_bytes_per_second=round(self.manifest.source_bytes / seconds) if seconds else None,
             )
             out["resident_share"] = self.resident_share
+            writable = self.writable
+            out["gpu_access"] = "writable" if writable else "read-only"
+            if writable:
+                out["modified"] = self.modified is not None
+                if self.modified is not None:
+                    out["modification"] = self.modified | {
+                        "found_seconds_ago": round(time.monotonic() - self.modified_at, 1)}
+                last = self.last_verify
+                out["verify"] = {"verifies": self.verifies, **({
+                    "last_seconds_ago": round(time.monotonic() - last["at"], 1), "last_seconds": last["seconds"],
+                    "last_cpu_seconds": last["cpu_seconds"], "last_bytes": last["bytes"]} if last else {})}
         return out
 
 

@@ -12,6 +12,11 @@ import stat
 from pled.shared.errors import RegionError
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
+# A writable table's (gpu_access = "writable"): sealed against shrinking, growing and further seals, not writing.
+# Only the writers named in the config receive a read-write fd; its inode is WRITABLE_MODE (no write bit for anyone,
+# no access at all for others), so no one reopens it writable through /proc.
+WRITABLE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+WRITABLE_MODE = 0o440
 
 
 def seals(fd: int) -> int:
@@ -22,9 +27,11 @@ def is_sealed(fd: int) -> bool:
     return seals(fd) & SEALS == SEALS
 
 
-def check_sealed_memfd(fd: int) -> None:
+def check_sealed_memfd(fd: int, writable: bool = False) -> None:
     """Refuse an fd that is not a memfd with all four ``SEALS``; RegionError says what it is instead. Check this
     before reading the region: once sealed, nothing read can change (WRITE) or vanish under a mapping (SHRINK).
+    ``writable``: the daemon said the table is a writable one; then exactly ``WRITABLE_SEALS`` (plus WRITE) are
+    required: nothing vanishes under a mapping, but a writer named in pled's config may change bytes.
 
     The test is the seals, not the fd's name in /proc/self/fd ("/memfd:..."), which needs /proc and which a file
     at /memfd:x on disk has too. F_GET_SEALS fails with EINVAL on every file that cannot be sealed (on disk, a
@@ -38,6 +45,11 @@ def check_sealed_memfd(fd: int) -> None:
     except OSError as err:
         why = "a file that cannot be sealed, such as one on disk" if err.errno == errno.EINVAL else err.strerror
         raise RegionError(f"fd {fd} is not a memfd: F_GET_SEALS fails ({why})") from err
+    if writable:
+        if have & WRITABLE_SEALS != WRITABLE_SEALS:
+            raise RegionError(f"fd {fd} is not sealed (seals {have:#x}; a writable table's region has "
+                              f"{WRITABLE_SEALS:#x}: shrink, grow, seal)")
+        return
     if have & SEALS != SEALS:
         raise RegionError(f"fd {fd} is not sealed "
                           f"(seals {have:#x}; a region has {SEALS:#x}: shrink, grow, write, seal)")

@@ -115,6 +115,8 @@ _TABLE_GAUGES = (
     ("resident_share", "pled_table_resident_ratio", "Share of the region in memory, measured by the kernel."),
     ("page_size_bytes", "pled_table_page_size_bytes", "Page size the region was staged with (2 MiB huge pages or "
      "4 KiB)."),
+    ("modified", "pled_table_modified", "1 when the scheduled verify found a writable table's bytes changed since "
+     "staging (gpu_access = \"writable\"; `pled verify --repair` restages it), else 0; only for writable tables."),
     ("staging_seconds", "pled_table_staging_seconds", "Seconds the last staging of the table took."),
     ("staging_bytes_per_second", "pled_table_staging_bytes_per_second", "Source bytes per second of the last "
      "staging of the table."),

@@ -31,7 +31,16 @@ from pled.shared.boundary import clip, in_time, load_json
 from pled.shared.digests import PLACEHOLDER as DIGEST_PLACEHOLDER
 from pled.shared.errors import RegionError
 from pled.shared.hugepages import PMD_SIZE
-from pled.shared.memfd import SEALS, Region, check_sealed_memfd, is_sealed, map_readonly, seals
+from pled.shared.memfd import (
+    SEALS,
+    WRITABLE_MODE,
+    WRITABLE_SEALS,
+    Region,
+    check_sealed_memfd,
+    is_sealed,
+    map_readonly,
+    seals,
+)
 from pled.shared.records import fields_of
 from pled.shared.tensors import DTYPE_BITS, MAX_DIMS, nbits, shape_problem
 
@@ -48,7 +57,8 @@ MANIFEST_VALUES = 2_000_000  # ~10 a tensor: 200,000 tensors (json.loads of that
 _PAGED_SLACK = 20  # header bytes kept free for a longer region_bytes (Manifest.paged): a u64 has at most 20 digits
 # Re-exported: the dtypes and rank a region's tensors may have (pled.shared.tensors), and the sealed memfd a region
 # lives in (pled.shared.memfd), as the daemon and the clients have always found them here.
-__all__ = ["DTYPE_BITS", "MAX_DIMS", "SEALS", "Region", "check_sealed_memfd", "is_sealed", "map_readonly", "seals"]
+__all__ = ["DTYPE_BITS", "MAX_DIMS", "SEALS", "WRITABLE_MODE", "WRITABLE_SEALS",
+           "Region", "check_sealed_memfd", "is_sealed", "map_readonly", "seals"]
 
 
 def align(n: int, unit: int = ALIGN) -> int:

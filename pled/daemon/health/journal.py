@@ -47,7 +47,7 @@ ATTR = "journal_fields"  # the LogRecord attribute fields() sets through ``extra
 NOTE_EVERY = 60.0  # seconds between notes that the journal's socket refuses records
 
 Event = Literal["ready", "refused", "reload_done", "reload_failed", "client_attached", "client_detached",
-                "client_refused", "client_dropped", "verify_differs"]
+                "client_refused", "client_dropped", "verify_differs", "table_modified"]
 
 # One id per kind of event, fixed for good (made once with uuid.uuid4().hex); units/pled.catalog explains each.
 MESSAGE_IDS: dict[str, str] = {
@@ -60,6 +60,7 @@ MESSAGE_IDS: dict[str, str] = {
     "client_refused": "7a04562bbbf04e8e99f5386ae50a178a",  # a connection refused: access policy, or its uid's share
     "client_dropped": "751353ac3de341bbaa8ddb0bc64043e4",  # a connection pled closed: a bad call, stuck, over a bound
     "verify_differs": "2b056be33c5e416b9e9571a1ccb313bc",  # pled verify found a region that differs from its files
+    "table_modified": "b14c68e002f64778ad9b81956b28e8fe",  # the scheduled verify: a writable table's bytes changed
 }
 
 PRIORITY = {logging.CRITICAL: 2, logging.ERROR: 3, logging.WARNING: 4, logging.INFO: 6, logging.DEBUG: 7}

@@ -103,14 +103,16 @@ def _loads(data: bytes) -> Any:
     return pickle.Unpickler(_Frames(data)).load()  # type: ignore[arg-type]
 
 
-def plan_reload(source: str, served: dict, proc_root: str = "/", served_pages: dict[str, int] | None = None):
+def plan_reload(source: str, served: dict, proc_root: str = "/", served_pages: dict[str, int] | None = None,
+                served_writable: frozenset[str] = frozenset()):
     """planning.plan_reload(...) in a child process (see the module's doc); the ReloadPlan, or PledError."""
     import pled
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(pled.__file__)))
     env = {k: v for k, v in os.environ.items() if k not in _SYSTEMD_ENV}
     env["OPENBLAS_NUM_THREADS"] = "1"
-    request = _dumps((source, served, proc_root, served_pages, logging.getLogger("pled").getEffectiveLevel()))
+    level = logging.getLogger("pled").getEffectiveLevel()
+    request = _dumps((source, served, proc_root, served_pages, served_writable, level))
     code = f"import sys; sys.path.insert(0, {root!r}); from pled.daemon.regions.parsing import child; child()"
     started = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-c", code, str(os.getpid())], stdin=subprocess.PIPE,
@@ -203,7 +205,7 @@ def child() -> None:
             resource.setrlimit(limit, (want, want))
         except (OSError, ValueError):  # a seccomp filter refusing setrlimit: the wall bound still holds
             pass
-    source, served, proc_root, served_pages, level = _loads(sys.stdin.buffer.read())
+    source, served, proc_root, served_pages, served_writable, level = _loads(sys.stdin.buffer.read())
     handler = _Records()
     root = logging.getLogger()
     root.handlers[:] = [handler]
@@ -211,7 +213,7 @@ def child() -> None:
     try:
         from pled.daemon.regions import planning
 
-        answer: tuple = ("ok", planning.plan_reload(source, served, proc_root, served_pages))
+        answer: tuple = ("ok", planning.plan_reload(source, served, proc_root, served_pages, served_writable))
     except PledError as err:
         answer = ("refused", (str(err), getattr(err, "table", None), err.exit_status))
     except Exception as err:  # a bug: its traceback on stderr (pled's log), the reload failed with its name

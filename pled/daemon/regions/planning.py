@@ -120,10 +120,12 @@ class ReloadPlan:
 
 
 def plan_reload(source: str, served: dict[str, region.Manifest], proc_root: str = "/",
-                served_pages: dict[str, int] | None = None) -> ReloadPlan:
+                served_pages: dict[str, int] | None = None,
+                served_writable: frozenset[str] = frozenset()) -> ReloadPlan:
     """Re-read the config at ``source`` and compare its tables with ``served`` (name -> identity of the served
-    manifest; ``served_pages``: name -> its region's hugetlb page size, 0 on shared memory). A table is kept when
-    its files and its pages are what the config asks for now. Runs off the loop thread; raises PledError when the
+    manifest; ``served_pages``: name -> its region's hugetlb page size, 0 on shared memory; ``served_writable``: the
+    tables served writable). A table is kept when its files, its pages and its gpu_access are what the config asks
+    for now. Runs off the loop thread; raises PledError when the
     reload must change nothing."""
     config = config_mod.load(source)
     placements = pageplan.resolve(config, proc_root)
@@ -134,6 +136,9 @@ def plan_reload(source: str, served: dict[str, region.Manifest], proc_root: str 
         page_size = (served_pages or {}).get(name, 0)
         if name in served and served[name] == planned.paged(page_size).identity():
             why = pageplan.mismatch(placements[name], page_size, planned.region_bytes, proc_root)
+            cfg = config.table(name)
+            if not why and cfg is not None and cfg.writable != (name in served_writable):
+                why = f"gpu_access is now \"{cfg.gpu_access}\""
             if not why:
                 unchanged.append(name)
                 continue

@@ -184,13 +184,15 @@ def stage(
     digests: bool = True,
     chunk: int = CHUNK,
     pages: PagePlan | None = None,
+    writable: bool = False,
 ) -> Region:
     """Stage ``sidecar`` (or a checkpoint's PLE tables) into a new sealed memfd; the caller owns the returned Region.
     ``planned``: the region's plan (the daemon's, made once by planning.py); planned here when not given.
     ``pages``: the pages and NUMA policy decided for it (pageplan.py); without one, shared memory as
     ``huge_pages`` says and no NUMA policy. ``digests=False`` skips hashing (the benchmark's baseline for what
     hashing costs). ``chunk``: bytes copied (and dropped from the page cache) at a time; ``should_stop`` is asked
-    before each chunk."""
+    before each chunk. ``writable`` (gpu_access = "writable"): sealed against all but writing, its inode 0440.
+    """
     planned = region.plan(table, sidecar) if planned is None else planned
     fd, pages = regionfd.create(table, planned.region_bytes, pages)
     try:
@@ -200,8 +202,10 @@ def stage(
         manifest, huge_bytes = _fill(fd, planned, sidecar, fill, on_shard, Pacer(bandwidth, should_stop, chunk), table,
                                      digests)
         seconds = time.perf_counter() - start
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, region.SEALS)
-        os.fchmod(fd, 0o444)  # a client cannot reopen it writable through /proc either (the seals hold regardless)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, region.WRITABLE_SEALS if writable else region.SEALS)
+        # a client cannot reopen it writable through /proc either (the seals hold regardless); a writable table's
+        # inode is not even readable by others: pled hands each non-writer a read-only fd it reopened itself
+        os.fchmod(fd, region.WRITABLE_MODE if writable else 0o444)
     except BaseException:
         os.close(fd)  # a half-built region frees its memory with its last fd
         raise
@@ -332,6 +336,8 @@ def describe_ready(r: Region) -> str:
     pages = s.fill.policy if s.fill.method == HUGETLB else f"shmem_enabled: {s.fill.policy}"
     line = (
         f"table {m.table} staged: {gib(m.source_bytes)} in {len(m.shards)} shards, {s.seconds * 1000:.0f} ms "
-        f"({rate(m.source_bytes, s.seconds)}), huge pages {share:.0%} ({pages}), sealed"
+        f"({rate(m.source_bytes, s.seconds)}), huge pages {share:.0%} ({pages}), "
+        + ("sealed" if region.is_sealed(r.fd) else "sealed against shrinking and growing but NOT against writing "
+           "(gpu_access = \"writable\")")
     )
     return line + (f", NUMA {s.numa}" if s.numa else "") + (f"; {s.fill.note}" if s.fill.note else "")

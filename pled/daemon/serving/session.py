@@ -54,11 +54,13 @@ _NO_PROC = Throttle(every=float("inf"))  # said once: where /proc is missing it 
 
 def readonly_duplicate(fd: int) -> int:
     """A new fd for the file behind ``fd``, owned by the caller: a read-only reopening of it through /proc
-    (a client then holds no writable file description at all), or, where /proc is not there, a duplicate."""
+    (a client then holds no writable file description at all), or, where /proc is not there, a duplicate of a
+    write-sealed region's fd. A region that is not write-sealed (gpu_access = "writable") is never duplicated for
+    a client this way: without /proc the OSError goes to the caller (the client is refused, not given write)."""
     try:
         return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
     except OSError as err:
-        if err.errno in (errno.EMFILE, errno.ENFILE):
+        if err.errno in (errno.EMFILE, errno.ENFILE) or not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_WRITE:
             raise
         _NO_PROC.log("no-proc", log.warning, "cannot reopen a table's memfd read-only through /proc (%s): clients "
                      "get a duplicate of pled's read-write fd, whose seals refuse every write all the same; mount "
@@ -69,9 +71,12 @@ def readonly_duplicate(fd: int) -> int:
 @dataclass
 class Reply:
     """A handler's answer. ``regions`` go with it as fds: each is opened anew (read-only) when the reply is
-    queued and owned by it until the kernel takes it; ``on_sent`` runs once the kernel has accepted them."""
+    queued and owned by it until the kernel takes it; ``on_sent`` runs once the kernel has accepted them.
+    ``writable``: the peer is a writer the config names for these regions (gpu_access = "writable"): each goes as a
+    duplicate of pled's own read-write fd instead."""
     message: dict
     regions: tuple[Region, ...] = ()
+    writable: bool = False
     close_after: bool = False
     on_sent: Callable[[], None] | None = None
 
@@ -93,6 +98,9 @@ class Outgoing:
         fds: list[int] = []
         try:
             for r in reply.regions:
+                if reply.writable:  # a writer its config names: a duplicate of pled's own read-write open file
+                    fds.append(fcntl.fcntl(r.fd, fcntl.F_DUPFD_CLOEXEC, 0))
+                    continue
                 fds.append(readonly_duplicate(r.fd))
         except BaseException:
             for fd in fds:
@@ -123,6 +131,7 @@ class Session:
     pending: int = 0  # calls whose reply comes later (Attach with wait, Reload)
     closing: bool = False
     attached: dict = field(default_factory=dict)  # table -> generation
+    writes: set = field(default_factory=set)  # tables it received a read-write fd of (gpu_access = "writable")
 
     @property
     def fd(self) -> int:

@@ -181,11 +181,14 @@ def describe_change(old: Manifest, new: Manifest) -> str:
 
 
 def adopt_stored(stored: list[StoredFd], planned: dict[str, Manifest], store: FdStore,
-                 pages: Callable[[str, int], str] | None = None) -> Adopted:
+                 pages: Callable[[str, int], str] | None = None, writable: frozenset[str] = frozenset()) -> Adopted:
     """The regions systemd kept for us: those that match what staging the files now would give are adopted,
     every other one is removed from the store and closed. ``planned``: on 2 MiB boundaries (a hugetlb region's
     is compared rounded up to its pages); ``pages(table, page_size)``: why a region on hugetlb pages of that size
-    (0: shared memory) is not what the config asks for now, "" where it is."""
+    (0: shared memory) is not what the config asks for now, "" where it is. A writable table's region
+    (gpu_access = "writable": not write-sealed) is never adopted: a writer may have changed it while pled was not
+    watching, and its staging digests went with the old process; nor is a write-sealed one for a table now
+    configured writable (its writers could not map it)."""
     out = Adopted()
     drop = store.drop
     for item in stored:
@@ -199,6 +202,14 @@ def adopt_stored(stored: list[StoredFd], planned: dict[str, Manifest], store: Fd
             drop(item, f"table {table} is no longer in the config")
             continue
         try:
+            if region.seals(item.fd) & region.SEALS == region.WRITABLE_SEALS:  # all but the write seal
+                drop(item, f"table {table} generation {generation} was writable (gpu_access = \"writable\"): a "
+                           f"writer may have changed it while pled was stopped; staging it anew")
+                continue
+            if table in writable:
+                drop(item, f"table {table} is now gpu_access = \"writable\" and generation {generation} is "
+                           f"write-sealed; staging it anew")
+                continue
             region.check_sealed_memfd(item.fd)  # first, as a client does: once sealed, what is read cannot change
             if os.fstat(item.fd).st_mode & 0o222:  # stored by a pled before regions were made 0444, as staging does:
                 os.fchmod(item.fd, 0o444)  # else a client could reopen its fd O_RDWR through /proc (seals hold)
