@@ -11,7 +11,7 @@ from pled import __version__
 from pled.daemon.health import journal, logs
 from pled.shared import config_file
 from pled.shared.boundary import say
-from pled.shared.errors import EX_CONFIG, EX_INTERRUPTED, EX_NOT_RUNNING, EX_USAGE, PledError
+from pled.shared.errors import EX_CONFIG, EX_INTERRUPTED, EX_NOT_RUNNING, EX_UNAVAILABLE, EX_USAGE, PledError
 from pled.shared.layouts import LAYOUTS
 
 log = logging.getLogger("pled")
@@ -20,11 +20,8 @@ log = logging.getLogger("pled")
 def _load_config(path: str | None):
     """The config, validated (pydantic: the daemon's dependencies). Only the commands that need the whole config
     import it: ``pled status`` and the other calls to a running pled read its socket with tomllib alone."""
-    try:
-        from pled.daemon import config as config_mod
-    except ImportError as err:  # pled[client] alone: the library, the vLLM plugin and the calls, not the daemon
-        raise SystemExit(f"pled: this command needs the daemon's dependencies ({err.name} is missing): "
-                         "pip install 'pled[daemon]'") from None
+    from pled.daemon import config as config_mod  # pled[client] alone lacks pydantic: main() says so, exit 69
+
     return config_mod.load(path)
 
 
@@ -182,6 +179,8 @@ def _show_reload(result: dict) -> int:
 
 
 def _verify(args) -> int:
+    import xxhash  # noqa: F401 (the regions' digests: where it is missing, main() says so before anything is read)
+
     from pled.verify import verify
 
     return verify(_socket_for(args), args.table)
@@ -291,6 +290,15 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def missing_module(err: ImportError) -> str:
+    """One line for a module this environment lacks: which, where, and what to install (issue 47, item 1)."""
+    if not isinstance(err, ModuleNotFoundError) or not err.name:
+        return str(err)  # a message of pled's own (blake3's)
+    return (f"needs the Python module {err.name}, which this environment ({sys.prefix}) does not have: it comes with "
+            "pled's daemon extra (pip install 'pled[daemon]'); where pled runs as a service, run /usr/bin/pled "
+            "instead")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logs.setup(args.log_level)
@@ -299,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     except PledError as err:
         log.error("%s", err, extra=journal.refusal_fields(err))
         return err.exit_status
+    except ImportError as err:  # pled[client] alone (vLLM's environment): a module of the daemon's extra is missing
+        say(f"pled {args.command}: {missing_module(err)}", file=sys.stderr)
+        return EX_UNAVAILABLE
     except KeyboardInterrupt:
         return EX_INTERRUPTED
     except BrokenPipeError:  # `pled status --json | head`: the reader has what it wanted

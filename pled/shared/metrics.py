@@ -66,7 +66,7 @@ def daemon_families(st: dict) -> Iterator:
         return  # a pled before the metrics: nothing more to say
     yield counter("pled_attaches_total", "Attaches served: Attach replies whose table fd the kernel took."
                   + SINCE_START, value=d["attaches"])
-    refused = counter("pled_refused_total", "Clients refused, by reason (docs/operations.md, Metrics)." + SINCE_START,
+    refused = counter("pled_refused_total", "Clients refused, by reason (operations.md, Metrics)." + SINCE_START,
                       labels=["reason"])
     for reason, n in sorted(d["refused"].items()):
         refused.add_metric([reason], n)
