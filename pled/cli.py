@@ -105,15 +105,20 @@ def _show_status(args, st: dict) -> int:
         return code
     up = int(st["uptime_seconds"])
     say(f"pled {st['version']}, pid {st['pid']}, up {up // 3600}h {up % 3600 // 60}m {up % 60}s, socket {st['socket']}")
-    say(f"{'TABLE':<16} {'STATE':<8} {'SHARDS':>9} {'SIZE':>10} {'RESIDENT':>8} {'HUGE':>5} {'PAGES':>7} {'GEN':>4}  "
-        "FINGERPRINT")
+    # FILES: source files staged / in all (a sidecar's shards, a checkpoint's files); SOURCE: their bytes pled copies;
+    # REGION: the sealed memfd's, with its header and 2 MiB alignment (what the preflight counts, what RESIDENT is a
+    # share of); CONTENT: the digest of the bytes staged (follows the content; the JSON's "fingerprint" is of the
+    # layout and the files' headers only).
+    say(f"{'TABLE':<16} {'STATE':<8} {'FILES':>9} {'SOURCE':>10} {'REGION':>10} {'RESIDENT':>8} {'HUGE':>5} "
+        f"{'PAGES':>7} {'GEN':>4}  CONTENT")
     notes = []
     for t in st["tables"]:
         resident = f"{t['resident_share']:.0%}" if "resident_share" in t else "-"
         huge = f"{t['huge_page_bytes'] / t['region_bytes']:.0%}" if t.get("huge_page_bytes") is not None else "-"
         pages = (t.get("page_size") or "-").replace(" ", "")  # "2 MiB" -> "2MiB": one word a column
+        content = str(t.get("content_digest") or "-").partition(":")[2][:12] or "-"
         say(f"{t['table']:<16} {t['state']:<8} {t['shards_done']:>4}/{t['shards']:<4} {gib(t['bytes']):>10} "
-              f"{resident:>8} {huge:>5} {pages:>7} {t['generation']:>4}  {t['fingerprint'][:12]}")
+              f"{gib(t['region_bytes']):>10} {resident:>8} {huge:>5} {pages:>7} {t['generation']:>4}  {content}")
         if t.get("huge_page_note"):
             notes.append(f"{t['table']}: {t['huge_page_note']}")
         numa = t.get("numa") or {}
@@ -133,6 +138,9 @@ def _show_status(args, st: dict) -> int:
         notes.append(f"the metrics file cannot be written: {st['daemon']['metrics_file_error']}")
     for note in notes:
         say(f"  note: {note}")
+    if st["tables"]:
+        say("SOURCE: the files' bytes pled copies; REGION: the memory each table holds, with its header and 2 MiB "
+            "alignment; CONTENT: the digest of the bytes staged")
     clients = st["clients"]
     say(f"{len(clients)} client(s) attached" + (":" if clients else ""))
     for c in clients:

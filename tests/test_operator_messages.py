@@ -3,6 +3,7 @@ with its own exit status; a failed connect names the path and the real cause, fo
 member's `pled reload` is told who may reload. Real sockets, a real pled and real non-root clients (forked children
 that drop to uid 65534); the missing module is made missing in the command's own process (sys.modules[name] = None,
 what Python does for a module that is not installed)."""
+import json
 import os
 import re
 import socket
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from forked import as_user
-from harness import clean_env, start, unused_gid
+from harness import clean_env, run_pled, start, unused_gid
 from pled import client
 from pled.client.connection import Connection
 from pled.shared import protocol
@@ -158,5 +159,43 @@ def test_a_group_members_reload_is_told_who_may_reload(tmp_path, sidecar, open_d
                         "may reload (group pled may only attach); run `sudo pled reload` or `sudo systemctl reload "
                         "pled`"), said
         assert as_user(reload, None) == "reloaded"  # root may
+    finally:
+        assert pled.stop() == 0
+
+
+@pytest.mark.daemon
+def test_status_shows_content_that_follows_the_bytes_and_names_source_and_region_sizes(tmp_path, sidecar):
+    """`pled status`'s CONTENT changes when a table's bytes do (the JSON's fingerprint, of layout and headers, does
+    not); SOURCE is the files' bytes, REGION the memfd's with header and alignment, each named (issue 47, item 8)."""
+    from pled.shared.sizes import gib
+
+    d = sidecar(shards=3, rows=2000)
+    pled = start(tmp_path, {"t": f"{d}/*.safetensors"})  # files without META.json's digests: any bytes go
+    try:
+        def table() -> tuple[dict, str]:
+            st = json.loads(run_pled("status", "--json", "--socket", pled.socket).stdout)["tables"][0]
+            return st, run_pled("status", "--socket", pled.socket).stdout
+
+        first, text = table()
+        header, row = text.splitlines()[1:3]
+        assert header.split() == ["TABLE", "STATE", "FILES", "SOURCE", "REGION", "RESIDENT", "HUGE", "PAGES", "GEN",
+                                  "CONTENT"], header
+        assert first["region_bytes"] > first["bytes"]  # a header and 2 MiB alignment
+        cells = row.split()
+        assert cells[2] == "3/3" and " ".join(cells[3:7]) == f"{gib(first['bytes'])} {gib(first['region_bytes'])}"
+        assert cells[-1] == first["content_digest"].partition(":")[2][:12], (row, first["content_digest"])
+        assert "SOURCE: the files' bytes pled copies; REGION: the memory each table holds, with its header" in text
+        # the same headers and sizes, other bytes (one byte of the last shard's data): a reload restages it
+        shard = sorted(d.glob("*.safetensors"))[-1]
+        data = bytearray(shard.read_bytes())
+        data[-1] ^= 0xFF
+        shard.write_bytes(bytes(data))
+        said = pled.reload()
+        second, text = table()
+        assert second["generation"] == first["generation"] + 1, (said, pled.log()[-3000:])
+        assert second["generation"] == first["generation"] + 1
+        assert second["fingerprint"] == first["fingerprint"]  # layout and headers: unchanged, as its name now says
+        assert second["content_digest"] != first["content_digest"]
+        assert text.splitlines()[2].split()[-1] == second["content_digest"].partition(":")[2][:12]
     finally:
         assert pled.stop() == 0

@@ -125,7 +125,8 @@ def table_families(tables: list[dict]) -> Iterator:
     core = _core()
     gauge = core.GaugeMetricFamily
     info = core.InfoMetricFamily("pled_table", "What each table holds: its layout, where its region came from "
-                                 "(staged, or adopted from systemd's fd store) and its fingerprint.",
+                                 "(staged, or adopted from systemd's fd store) and its fingerprint (of its layout and "
+                                 "its files' headers, not their data: `pled status`'s CONTENT follows the data).",
                                  labels=["table"])
     state = gauge("pled_table_state", "1 for the state the table is in (waiting, staging, ready, failed), 0 for "
                   "the others.", labels=["table", "state"])
