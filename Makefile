@@ -90,6 +90,8 @@ fuzz: $(VENV)/.fuzz-ready
 # The Debian 12 package of pled's host side (debian/): build/deb/pled_VERSION_ARCH.deb, built by dh-virtualenv with
 # Debian's own Python 3.11 into /usr/lib/pled, then checked by lintian (tools/deb.sh). Its set-up: Debian's build
 # tools, installed with apt-get where any one is missing (as root). tests/test_deb.py installs, upgrades and purges it.
+# Quiet: one line on success (V=1: the build's log and every lintian line). VERSION=1.2.3-1~local1: build as that
+# Debian version (a changelog entry is added in the build's copy; debian/changelog is the version's one source).
 DEB_TOOLS := dpkg-buildpackage dh_virtualenv lintian
 deb:
 	@missing=; for t in $(DEB_TOOLS); do command -v $$t >/dev/null 2>&1 || missing=1; done; \
@@ -99,7 +101,7 @@ deb:
 	      build-essential debhelper dh-virtualenv dpkg-dev lintian python3.11 python3.11-venv >/dev/null; \
 	  else echo "make deb needs dpkg-buildpackage, dh-virtualenv, lintian and python3.11-venv (apt-get install)"; \
 	    exit 1; fi; fi
-	tools/deb.sh build/deb
+	@V=$(V) tools/deb.sh build/deb $(VERSION)
 
 # Opt-in: pled.service under real systemd as PID 1, fenced in namespaces (see tests/test_systemd_pid1.py).
 test-systemd: $(BIN)/pled

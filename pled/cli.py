@@ -11,20 +11,19 @@ from pled import __version__
 from pled.daemon.health import journal, logs
 from pled.shared import config_file
 from pled.shared.boundary import say
-from pled.shared.errors import EX_CONFIG, EX_INTERRUPTED, EX_NOT_RUNNING, EX_USAGE, PledError
+from pled.shared.errors import EX_CONFIG, EX_INTERRUPTED, EX_NOT_RUNNING, EX_UNAVAILABLE, EX_USAGE, PledError
 from pled.shared.layouts import LAYOUTS
 
 log = logging.getLogger("pled")
+# pled.generator's (which imports numpy: not at every command's start); tests/test_operator_cli.py checks they agree
+CHECKPOINT_DTYPES = ("bf16", "fp8", "nvfp4")
 
 
 def _load_config(path: str | None):
     """The config, validated (pydantic: the daemon's dependencies). Only the commands that need the whole config
     import it: ``pled status`` and the other calls to a running pled read its socket with tomllib alone."""
-    try:
-        from pled.daemon import config as config_mod
-    except ImportError as err:  # pled[client] alone: the library, the vLLM plugin and the calls, not the daemon
-        raise SystemExit(f"pled: this command needs the daemon's dependencies ({err.name} is missing): "
-                         "pip install 'pled[daemon]'") from None
+    from pled.daemon import config as config_mod  # pled[client] alone lacks pydantic: main() says so, exit 69
+
     return config_mod.load(path)
 
 
@@ -107,15 +106,20 @@ def _show_status(args, st: dict) -> int:
         return code
     up = int(st["uptime_seconds"])
     say(f"pled {st['version']}, pid {st['pid']}, up {up // 3600}h {up % 3600 // 60}m {up % 60}s, socket {st['socket']}")
-    say(f"{'TABLE':<16} {'STATE':<8} {'SHARDS':>9} {'SIZE':>10} {'RESIDENT':>8} {'HUGE':>5} {'PAGES':>7} {'GEN':>4}  "
-        "FINGERPRINT")
+    # FILES: source files staged / in all (a sidecar's shards, a checkpoint's files); SOURCE: their bytes pled copies;
+    # REGION: the sealed memfd's, with its header and 2 MiB alignment (what the preflight counts, what RESIDENT is a
+    # share of); CONTENT: the digest of the bytes staged (follows the content; the JSON's "fingerprint" is of the
+    # layout and the files' headers only).
+    say(f"{'TABLE':<16} {'STATE':<8} {'FILES':>9} {'SOURCE':>10} {'REGION':>10} {'RESIDENT':>8} {'HUGE':>5} "
+        f"{'PAGES':>7} {'GEN':>4}  CONTENT")
     notes = []
     for t in st["tables"]:
         resident = f"{t['resident_share']:.0%}" if "resident_share" in t else "-"
         huge = f"{t['huge_page_bytes'] / t['region_bytes']:.0%}" if t.get("huge_page_bytes") is not None else "-"
         pages = (t.get("page_size") or "-").replace(" ", "")  # "2 MiB" -> "2MiB": one word a column
+        content = str(t.get("content_digest") or "-").partition(":")[2][:12] or "-"
         say(f"{t['table']:<16} {t['state']:<8} {t['shards_done']:>4}/{t['shards']:<4} {gib(t['bytes']):>10} "
-              f"{resident:>8} {huge:>5} {pages:>7} {t['generation']:>4}  {t['fingerprint'][:12]}")
+              f"{gib(t['region_bytes']):>10} {resident:>8} {huge:>5} {pages:>7} {t['generation']:>4}  {content}")
         if t.get("huge_page_note"):
             notes.append(f"{t['table']}: {t['huge_page_note']}")
         numa = t.get("numa") or {}
@@ -144,6 +148,9 @@ def _show_status(args, st: dict) -> int:
         notes.append(f"the metrics file cannot be written: {st['daemon']['metrics_file_error']}")
     for note in notes:
         say(f"  note: {note}")
+    if st["tables"]:
+        say("SOURCE: the files' bytes pled copies; REGION: the memory each table holds, with its header and 2 MiB "
+            "alignment; CONTENT: the digest of the bytes staged")
     clients = st["clients"]
     say(f"{len(clients)} client(s) attached" + (":" if clients else ""))
     for c in clients:
@@ -192,6 +199,8 @@ def _show_reload(result: dict) -> int:
 
 
 def _verify(args) -> int:
+    import xxhash  # noqa: F401 (the regions' digests: where it is missing, main() says so before anything is read)
+
     from pled.shared import protocol
     from pled.verify import verify
 
@@ -252,6 +261,37 @@ def _make_sidecar(args) -> int:
     say(f"{shape} shape: {len(paths)} shards x {rows:,} rows, width {width}, layout string "
         f"'{META_LAYOUT[args.layout]}'{whose}")
     say(f"wrote {len(paths)} shards and META.json to {args.dir}")
+    return 0
+
+
+def _make_checkpoint(args) -> int:
+    from pled.generator import make_checkpoint
+
+    try:
+        rows = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        say(f"pled make-checkpoint: --rows {args.rows!r}: whole numbers separated by commas, one per layer",
+            file=sys.stderr)
+        return EX_USAGE
+    step = 16 if args.dtype == "nvfp4" else 1  # nvfp4: one scale per 16 columns
+    width_ok = args.width >= step and args.width % step == 0
+    bad = [f"{name} {value}" for name, value, ok in (("--rows", min(rows), min(rows) >= 1),
+                                                     ("--width", args.width, width_ok),
+                                                     ("--parts", args.parts, args.parts >= 1),
+                                                     ("--files", args.files, args.files >= 1)) if not ok]
+    if bad:
+        say(f"pled make-checkpoint: {bad[0]}: rows, parts and files are at least 1, and a width is at least 1 "
+            "(nvfp4: a multiple of 16)", file=sys.stderr)
+        return EX_USAGE
+    try:
+        paths = make_checkpoint(args.dir, args.dtype, rows=dict(enumerate(rows)), width=args.width,
+                                parts=args.parts, files=args.files, seed=args.seed, index=not args.no_index)
+    except ValueError as err:
+        say(f"pled make-checkpoint: {err}", file=sys.stderr)
+        return EX_USAGE
+    say(f"wrote {len(paths)} checkpoint file(s){'' if args.no_index else ' and model.safetensors.index.json'} to "
+        f"{args.dir}: {len(rows)} layer(s) of {args.dtype} PLE tables ({', '.join(f'{r:,}' for r in rows)} rows, "
+        f"width {args.width}, {args.parts} shard tensors each); `pled inspect --checkpoint {args.dir}` describes them")
     return 0
 
 
@@ -316,17 +356,49 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--keep", action="store_true", help="keep the temporary sidecar")
     s.set_defaults(func=_demo)
 
-    s = sub.add_parser("make-sidecar", help="write a synthetic sidecar for tests and benchmarks")
-    s.add_argument("dir")
-    s.add_argument("--layout", default="ples_int4", choices=layouts)
-    s.add_argument("--shards", type=int, default=4)
+    s = sub.add_parser("make-sidecar", help="write a synthetic sidecar for tests and benchmarks",
+                       description="Write a synthetic sidecar (shard_N.safetensors and META.json in the published "
+                                   "form) into DIR; the same options and seed give the same bytes.")
+    s.add_argument("dir", help="the directory to write (made if missing)")
+    s.add_argument("--layout", default="ples_int4", choices=layouts, help="the quantized layout (default %(default)s)")
+    s.add_argument("--shards", type=int, default=4, help="how many shard files (default %(default)s)")
     s.add_argument("--rows", type=int, help="rows per shard (default 1024)")
     s.add_argument("--width", type=int, help="row width in columns (default 160)")
     s.add_argument("--published-shape", action="store_true",
-                   help="the published sidecars' shape: 2,500,012 rows per shard, width 160 (an int4 shard is ~250 MB)")
-    s.add_argument("--seed", type=int, default=0)
+                   help="the published sidecars' shape: 2,500,012 rows per shard, width 160 (an int4 shard is ~250 MB; "
+                        "default off)")
+    s.add_argument("--seed", type=int, default=0, help="the random generator's seed (default %(default)s)")
     s.set_defaults(func=_make_sidecar)
+
+    s = sub.add_parser("make-checkpoint", help="write a synthetic model checkpoint with PLE tables, for a "
+                                               "`checkpoint` table's tests",
+                       description="Write a synthetic model checkpoint into DIR: model-0000K-of-0000N.safetensors "
+                                   "files holding each layer's PLE table, split into shard tensors as vLLM 0.33 "
+                                   "reads them, beside a norm per layer, and model.safetensors.index.json. The same "
+                                   "options and seed give the same bytes (pled.generator.make_checkpoint).")
+    s.add_argument("dir", help="the directory to write (made if missing)")
+    s.add_argument("--dtype", default="nvfp4", choices=CHECKPOINT_DTYPES, help="the PLE tables' dtype "
+                                                                               "(default %(default)s)")
+    s.add_argument("--rows", default="1000,1234",
+                   help="each layer's padded rows, comma-separated: one layer per number, layers 0, 1, ... "
+                        "(default %(default)s)")
+    s.add_argument("--width", type=int, default=64, help="row width in columns (default %(default)s)")
+    s.add_argument("--parts", type=int, default=7, help="shard tensors per layer's table, vLLM's split_ngram_parts "
+                                                        "(default %(default)s)")
+    s.add_argument("--files", type=int, default=3, help="how many .safetensors files (default %(default)s)")
+    s.add_argument("--seed", type=int, default=0, help="the random generator's seed (default %(default)s)")
+    s.add_argument("--no-index", action="store_true", help="write no model.safetensors.index.json (default: write it)")
+    s.set_defaults(func=_make_checkpoint)
     return p
+
+
+def missing_module(err: ImportError) -> str:
+    """One line for a module this environment lacks: which, where, and what to install (issue 47, item 1)."""
+    if not isinstance(err, ModuleNotFoundError) or not err.name:
+        return str(err)  # a message of pled's own (blake3's)
+    return (f"needs the Python module {err.name}, which this environment ({sys.prefix}) does not have: it comes with "
+            "pled's daemon extra (pip install 'pled[daemon]'); where pled runs as a service, run /usr/bin/pled "
+            "instead")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -337,6 +409,9 @@ def main(argv: list[str] | None = None) -> int:
     except PledError as err:
         log.error("%s", err, extra=journal.refusal_fields(err))
         return err.exit_status
+    except ImportError as err:  # pled[client] alone (vLLM's environment): a module of the daemon's extra is missing
+        say(f"pled {args.command}: {missing_module(err)}", file=sys.stderr)
+        return EX_UNAVAILABLE
     except KeyboardInterrupt:
         return EX_INTERRUPTED
     except BrokenPipeError:  # `pled status --json | head`: the reader has what it wanted

@@ -104,6 +104,9 @@ def test_a_restart_adopts_the_stored_table_without_reading_it(tmp_path, notify_s
     assert "FDSTORE=1" not in notify_socket.lines()  # never stored twice
     text = log.read_text()
     assert "table t adopted from systemd's fd store: generation 1" in text and "0 bytes copied" in text
+    # The journal says the preflight was not rerun, and why (issue 47, item 9)
+    assert ("tables adopted, preflight not rerun for them: t (their memory was allocated when they were staged and "
+            "systemd's fd store held it since; nothing is allocated for them now)\n") in text, text
     # Nothing to stage, nothing to check: no verdict logged (the log also holds clients' command lines, so the
     # check is on pled's own line shape, "pled[PID] LEVEL message").
     assert not re.search(r"pled\[\d+\] \w+ (preflight passed|pled needs|headroom unknown)", text), text

@@ -26,6 +26,14 @@ fi
    dpkg-buildpackage -us -uc -b --no-sign) > "$work/build.log" 2>&1 || { tail -60 "$work/build.log"; exit 1; }
 for f in "$work"/pled_*; do mv "$f" "$out/"; done
 deb=$(ls "$out"/pled_"$(cd "$work/pled" && dpkg-parsechangelog -S Version)"_*.deb)
-# lintian: no error may remain; debian/pled.lintian-overrides gives the reason for each tag it overrides
-lintian --fail-on error --no-tag-display-limit "$deb"
+# lintian: no error may remain; debian/pled.lintian-overrides gives the reason for each tag it overrides. Quiet
+# unless V=1 (then the build's log and lintian's every line): one line of counts, or lintian's output on an error.
+if [ -n "${V:-}" ] && [ "${V:-}" != 0 ]; then
+  cat "$work/build.log"
+  lintian --fail-on error --no-tag-display-limit "$deb"
+else
+  lintian --fail-on error --no-tag-display-limit "$deb" > "$work/lintian.log" 2>&1 || { cat "$work/lintian.log"; exit 1; }
+  echo "built $(basename "$deb"); lintian: no error, $(grep -c '^W:' "$work/lintian.log" || true) warning(s), \
+$(grep -c '^I:' "$work/lintian.log" || true) info(s) (V=1 shows them and the build's log)"
+fi
 echo "$deb"

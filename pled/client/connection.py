@@ -6,8 +6,12 @@ See docs/protocol.md. This module never imports the daemon's code, nor torch.
 from __future__ import annotations
 
 import array
+import errno
+import grp
 import os
+import pwd
 import socket as socket_mod
+import stat
 import time
 
 from pled.shared import protocol
@@ -85,18 +89,9 @@ class Connection:
         sock.settimeout(timeout)
         try:
             sock.connect(self.path)
-        except (FileNotFoundError, ConnectionRefusedError) as err:
-            sock.close()
-            raise DaemonUnavailable(f"pled is not running at {self.path} ({err.strerror}); start it with "
-                                    f"`systemctl start pled`, or {_HINT}") from err
-        except PermissionError as err:
-            sock.close()
-            raise PermissionDenied(f"cannot connect to {self.path}: the socket's permissions refuse uid "
-                                   f"{os.geteuid()}; run as a member of the socket's group, "
-                                   "or ask the operator") from err
         except OSError as err:
             sock.close()
-            raise DaemonUnavailable(f"cannot connect to pled at {self.path}: {err}; {_HINT}") from err
+            raise connect_error(self.path, err) from err
         self._sock = sock
         self._buf = bytearray()
         self._searched = 0  # bytes of _buf known to hold no NUL: each byte of a trickled reply is searched once
@@ -140,7 +135,7 @@ class Connection:
                                     f"reply of {len(raw)} bytes took longer than that to read); {_HINT}") from err
         if error is not None:
             close_all(fds)
-            raise _error(error, params, self.path)
+            raise _error(error, params, self.path, method)
         return params, fds
 
     def _receive(self, sock: socket_mod.socket, deadline: float) -> tuple[bytes, list[int]]:
@@ -224,9 +219,13 @@ def _left(deadline: float) -> float:
     return left
 
 
-def _error(name: str, progress: dict, path: str) -> ClientError:
-    """The error a reply names; what the daemon said is quoted clipped (it may be anything)."""
+def _error(name: str, progress: dict, path: str, method: str = "") -> ClientError:
+    """The error a reply to ``method`` names; what the daemon said is quoted clipped (it may be anything)."""
     params = {key: clip(value, 1000) if isinstance(value, str) else value for key, value in progress.items()}
+    if name == protocol.PERMISSION_DENIED and method == protocol.RELOAD:  # group pled may attach, not reload
+        return PermissionDenied(f"pled at {path} refused the reload from uid {params.get('uid', os.geteuid())}: only "
+                                "root and user pled may reload (group pled may only attach); run `sudo pled reload` "
+                                "or `sudo systemctl reload pled`")
     if name == protocol.PERMISSION_DENIED:
         return PermissionDenied(f"pled at {path} refused uid {params.get('uid', os.geteuid())}: run it in pled's group "
                                 f"(SupplementaryGroups=pled), or ask the operator to add it or one of its groups to "
@@ -255,3 +254,88 @@ def call(method: str, socket: str | None = None, timeout: float = 10.0, **parame
         return params
     finally:
         conn.close()
+
+
+def connect_error(path: str, err: OSError) -> ClientError:
+    """What connecting to ``path`` failed with, as one line that names the path and the real cause (issue 47): a
+    directory on the way this user may not search, no socket, a socket nobody listens at, a file that is not a
+    socket, a full queue. PermissionDenied for a permission, else DaemonUnavailable (`pled status` exits 3)."""
+    where = f"pled's socket {path}"
+    if isinstance(err, PermissionError):
+        blocked = _unsearchable(path)
+        if blocked is not None:
+            what, st = blocked
+            return PermissionDenied(f"permission denied: {where}: uid {os.geteuid()} may not {what} "
+                                    f"(mode {st.st_mode & 0o7777:04o}, owner {_user(st.st_uid)}, group "
+                                    f"{_group(st.st_gid)}): add this user to group {_group(st.st_gid)} "
+                                    f"(usermod -aG {_group(st.st_gid)} USER, then log in again; a unit: "
+                                    f"SupplementaryGroups={_group(st.st_gid)}), or run as root")
+        return PermissionDenied(f"permission denied: {where} refuses uid {os.geteuid()}: run as a member of the "
+                                "socket's group, or ask the operator")
+    kind = _kind(path)
+    if kind is not None and kind != "socket":
+        return DaemonUnavailable(f"{where} is not a socket but a {kind}: is `socket` in the config, --socket or "
+                                 f"$PLED_SOCKET the path pled serves at? {_HINT}")
+    if isinstance(err, FileNotFoundError):
+        parent = os.path.dirname(path) or "."
+        if not os.path.isdir(parent):
+            return DaemonUnavailable(f"pled is not running: {where} does not exist, nor its directory {parent} "
+                                     f"(pled.service makes it at start); start pled with `systemctl start pled`, "
+                                     f"or {_HINT}")
+        return DaemonUnavailable(f"pled is not running: no socket at {path}; start it with `systemctl start pled`, "
+                                 f"or {_HINT}")
+    if isinstance(err, ConnectionRefusedError):
+        return DaemonUnavailable(f"pled is not running: nothing listens at {where} (a socket left by a pled that "
+                                 f"stopped); start it with `systemctl start pled`, or {_HINT}")
+    if isinstance(err, BlockingIOError) or err.errno == errno.EAGAIN:
+        return DaemonUnavailable(f"pled at {path} accepts no more connections now (its queue is full: "
+                                 f"{err.strerror}); it is overloaded or hung: try again, or {_HINT}")
+    if isinstance(err, TimeoutError):
+        return DaemonUnavailable(f"pled at {path} did not accept the connection in time; it is overloaded or hung: "
+                                 f"{_HINT}")
+    return DaemonUnavailable(f"cannot connect to {where}: {err.strerror or err}; {_HINT}")
+
+
+def _unsearchable(path: str) -> tuple[str, os.stat_result] | None:
+    """The first directory on the way to ``path`` this process may not search, or the socket it may not write: what
+    it may not do, and that file's stat; None where neither (another cause, such as a security module)."""
+    parts = os.path.abspath(path).split("/")
+    for i in range(1, len(parts)):
+        d = "/".join(parts[:i]) or "/"
+        try:
+            st = os.stat(d)
+        except OSError:
+            return None
+        if not os.access(d, os.X_OK):
+            return f"search the directory {d}", st
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (f"write to the socket {path}", st) if not os.access(path, os.W_OK) else None
+
+
+def _kind(path: str) -> str | None:
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    for test, name in ((stat.S_ISSOCK, "socket"), (stat.S_ISREG, "regular file"), (stat.S_ISDIR, "directory"),
+                       (stat.S_ISFIFO, "FIFO"), (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device")):
+        if test(mode):
+            return name
+    return "file of another kind"
+
+
+def _user(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def _group(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)

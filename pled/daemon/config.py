@@ -52,6 +52,7 @@ from pydantic import (
 
 from pled.shared.boundary import BoundaryError, clip
 from pled.shared.config_file import (  # noqa: F401 (resolve_path)
+    EXAMPLE_CONFIG,
     MAX_DEPTH,
     check_socket_path,
     parse_toml,
@@ -354,7 +355,7 @@ def _describe(err: ValidationError) -> str:
         key = _key(tuple(p for p in e["loc"] if p not in ("function-after",)))
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
-            msg = "unknown key (check its spelling; see config/pled.toml for the keys pled knows)"
+            msg = f"unknown key (check its spelling; see {EXAMPLE_CONFIG} for the keys pled knows)"
         elif e["type"] == "string_pattern_mismatch" and key.endswith("name"):
             msg = "a table name is 1-64 letters, digits, '_', '.', '-', starting with a letter or digit"
         elif msg.startswith("Value error, "):

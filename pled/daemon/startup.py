@@ -57,6 +57,11 @@ def prepare(registry: Registry, store: FdStore, notifier: Notifier, stored: list
     to_stage = registry.open(sidecars, {n: m.paged(pages[n].page_size) if n in pages else m
                                         for n, m in planned.items()}, adopted, pages)
     store.announce([t.name for t in to_stage])
+    if adopted.adopted:
+        log.info("tables adopted, preflight not rerun for them: %s (their memory was allocated when they were staged "
+                 "and systemd's fd store held it since; nothing is allocated for them now)%s",
+                 ", ".join(sorted(adopted.adopted)),
+                 f"; the preflight checks the {len(to_stage)} table(s) left to stage" if to_stage else "")
     if to_stage:
         preflight(config, {t.name: left[t.name] for t in to_stage}, notifier, proc_root, pages)
     return to_stage

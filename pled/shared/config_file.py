@@ -14,6 +14,10 @@ from pled.shared.errors import ConfigError
 from pled.shared.protocol import DEFAULT_SOCKET
 
 DEFAULT_PATH = "/etc/pled/pled.toml"
+# Where the Debian package installs the operator docs (README.md, operations.md, ...) and, in examples/, the example
+# config: what messages point an operator to (docs/ and config/ in pled's source hold the same files).
+DOCS = "/usr/share/doc/pled"
+EXAMPLE_CONFIG = f"{DOCS}/examples/pled.toml"
 ENV_VAR = "PLED_CONFIG"
 MAX_CONFIG = 1024 * 1024  # a config is a few dozen lines: a bigger file is not one
 MAX_DEPTH = 8
@@ -51,7 +55,7 @@ def read_text(explicit: str | None = None) -> tuple[str, str]:
     """(absolute path, text) of the config file; ConfigError (78) naming the file when it is missing or unreadable."""
     path = os.path.abspath(resolve_path(explicit))  # a reload re-reads it from wherever pled runs
     if not os.path.lexists(path):
-        raise ConfigError(path, f"no such file; write one (see config/pled.toml) or point -c / ${ENV_VAR} at it")
+        raise ConfigError(path, f"no such file; write one (see {EXAMPLE_CONFIG}) or point -c / ${ENV_VAR} at it")
     try:
         return path, read_bounded(path, MAX_CONFIG, "config").decode("utf-8")
     except BoundaryError as err:

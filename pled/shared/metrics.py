@@ -66,7 +66,7 @@ def daemon_families(st: dict) -> Iterator:
         return  # a pled before the metrics: nothing more to say
     yield counter("pled_attaches_total", "Attaches served: Attach replies whose table fd the kernel took."
                   + SINCE_START, value=d["attaches"])
-    refused = counter("pled_refused_total", "Clients refused, by reason (docs/operations.md, Metrics)." + SINCE_START,
+    refused = counter("pled_refused_total", "Clients refused, by reason (operations.md, Metrics)." + SINCE_START,
                       labels=["reason"])
     for reason, n in sorted(d["refused"].items()):
         refused.add_metric([reason], n)
@@ -127,7 +127,8 @@ def table_families(tables: list[dict]) -> Iterator:
     core = _core()
     gauge = core.GaugeMetricFamily
     info = core.InfoMetricFamily("pled_table", "What each table holds: its layout, where its region came from "
-                                 "(staged, or adopted from systemd's fd store) and its fingerprint.",
+                                 "(staged, or adopted from systemd's fd store) and its fingerprint (of its layout and "
+                                 "its files' headers, not their data: `pled status`'s CONTENT follows the data).",
                                  labels=["table"])
     state = gauge("pled_table_state", "1 for the state the table is in (waiting, staging, ready, failed), 0 for "
                   "the others.", labels=["table", "state"])

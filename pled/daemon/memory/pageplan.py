@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from pled.daemon.config import Config, page_size_bytes
 from pled.daemon.memory import hugetlb, numa
 from pled.daemon.memory.hostmem import HostInfoUnavailable
-from pled.shared import pagecache
+from pled.shared import config_file, pagecache
 from pled.shared.errors import ConfigError
 from pled.shared.hugepages import PMD_SIZE
 from pled.shared.region import align
@@ -126,7 +126,8 @@ def resolve(config: Config, root: str = "/") -> dict[str, Placement]:
                 else sizes[None])
         if mode == "hugetlb" and (why := unusable(size, offered, root)):
             raise ConfigError(source, f"key {mode_key}: \"hugetlb\" for table {t.name}, but {why}; reserve huge "
-                                      "pages (docs/operations.md, Huge pages) or use \"prefer-hugetlb\" or \"auto\"")
+                                      f"pages ({config_file.DOCS}/operations.md, Huge pages) or use "
+                                      "\"prefer-hugetlb\" or \"auto\"")
         out[t.name] = Placement(mode, mode_key, size,
                                 policy if t.numa is None else _numa(t.numa, f"{key}.numa", with_memory, source))
     return out

@@ -29,6 +29,7 @@ from typing import Any, Final
 
 from pled.daemon.memory import hostmem, hugetlb
 from pled.daemon.memory.pageplan import human
+from pled.shared import config_file
 from pled.shared.errors import PreflightRefused
 from pled.shared.sizes import gib
 
@@ -205,7 +206,7 @@ def _check_hugetlb(page_size: int, tables: dict[str, int], unrounded: dict[str, 
         short = -(-(needed - available) // page_size)
         total = (pool.total if pool else 0) + short
         fix = (f"reserve {short:,} more: echo {total} > /sys/kernel/mm/hugepages/hugepages-{page_size // 1024}kB/"
-               f"nr_hugepages (docs/operations.md, Huge pages)")
+               f"nr_hugepages ({config_file.DOCS}/operations.md, Huge pages)")
     return HugeVerdict(page_size, tables, unrounded, available, pool,
                        f"pled needs {gib(needed)} for {what} but only {gib(available)} "
                        f"({available // page_size:,} pages) is available to this service ({where}); {fix}, "
