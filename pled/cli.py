@@ -214,7 +214,8 @@ def _verify(args) -> int:
     status, failed = _call(args, protocol.STATUS, "verify --repair")
     if status is None:
         return failed
-    listed = status.get("tables") if isinstance(status.get("tables"), list) else []
+    tables = status.get("tables")
+    listed: list = tables if isinstance(tables, list) else []
     modified = [t.get("table") for t in listed if isinstance(t, dict) and t.get("modified") is True]
     if code == 0 and not modified:
         say("pled verify --repair: nothing to repair")

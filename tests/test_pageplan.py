@@ -135,7 +135,8 @@ def test_the_preflight_counts_hugetlb_tables_against_their_pool_not_memory(tmp_p
     assert not v.ok and v.message == (
         "pled needs 200.0 MiB for table t on 2 MiB huge pages (100 pages) but only 120.0 MiB (60 pages) is "
         "available to this service (the 2 MiB pool: 60 of 64 pages free and not reserved); reserve 40 more: echo 104 "
-        "> /sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages (/usr/share/doc/pled/operations.md, Huge pages), or set "
+        "> /sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages "
+        "(/usr/share/doc/pled/operations.md, Huge pages), or set "
         'huge_pages = "prefer-hugetlb" to fall back to shared memory')
     with pytest.raises(preflight.PreflightRefused) as err:
         v.raise_if_refused()

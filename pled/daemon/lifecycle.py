@@ -314,6 +314,7 @@ class Daemon:
             return
         t = min(due, key=lambda t: t.verify_due)
         r, header, config = t.region, t.header, self.registry.config
+        assert r is not None and header is not None  # READY with a header: its region is there
         fd = os.dup(r.fd)
         t.verifying = True
         throttle = integrity.Throttle(config.verify_cpu_share, config.verify_bandwidth, self.stopping.is_set)

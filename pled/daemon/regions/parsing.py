@@ -100,7 +100,7 @@ def _dumps(obj: object) -> bytes:
 
 
 def _loads(data: bytes) -> Any:
-    return pickle.Unpickler(_Frames(data)).load()  # type: ignore[arg-type]
+    return pickle.Unpickler(_Frames(data)).load()
 
 
 def plan_reload(source: str, served: dict, proc_root: str = "/", served_pages: dict[str, int] | None = None,
@@ -143,7 +143,8 @@ def _exchange(proc: subprocess.Popen, request: bytes, deadline: float) -> bytes:
     assert proc.stdin is not None and proc.stdout is not None
     out_fd, in_fd = proc.stdout.fileno(), proc.stdin.fileno()
     os.set_blocking(in_fd, False)
-    pending, chunks = memoryview(request), []
+    pending = memoryview(request)
+    chunks: list[bytes] = []
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -171,7 +172,7 @@ def _ended(status: int | None, seconds: float) -> str:
     if status == -signal.SIGKILL and seconds >= WALL_SECONDS:
         return f"took more than {WALL_SECONDS} s (a file system that does not answer?)"
     if status in (-signal.SIGKILL, -signal.SIGXCPU):
-        return (f"was ended by {signal.Signals(-status).name} (its bounds: {CPU_SECONDS} s of CPU, "  # type: ignore[arg-type]
+        return (f"was ended by {signal.Signals(-status).name} (its bounds: {CPU_SECONDS} s of CPU, "
                 f"{ADDRESS_SPACE >> 20} MiB of address space)")
     return f"ended without an answer (exit status {status})"
 
