@@ -300,3 +300,27 @@ def test_verify_of_a_cold_checkpoint_takes_out_what_it_read_and_keeps_the_rest(t
         say = f"{os.path.basename(f)}: " + figures(before[f], after, ple_ranges(f))
         assert not lost, f"pled verify dropped {len(lost)} pages cached before (first at byte {lost[0] * PAGE}); {say}"
         assert not brought, f"pled verify left {len(brought)} pages it read (first at byte {brought[0] * PAGE}); {say}"
+
+
+def test_the_scheduled_verify_locating_a_change_keeps_the_checkpoints_other_pages(tmp_path):
+    """A writable table's scheduled verify (integrity.py) reads a changed piece's source to name the changed bytes:
+    of a checkpoint file it drops only what that read brought in."""
+    from pled.daemon.regions import integrity
+
+    checkpoint(tmp_path)
+    with staging.stage("t", open_checkpoint(str(tmp_path)), writable=True) as rw:
+        piece = next(p for p in rw.manifest.pieces() if p.file == 1 and p.nbytes > 4 * PAGE)
+        path = rw.manifest.shards[1].path
+        os.pwrite(rw.fd, b"\x01" if os.pread(rw.fd, 1, piece.offset + 5) != b"\x01" else b"\x02", piece.offset + 5)
+        Path(path).read_bytes()
+        fadvise(path, piece.begin, piece.begin + piece.nbytes)  # the other tensors cached, this piece cold
+        before = pages(path)
+        assert any(not before[p] for p in inside([(piece.begin, piece.begin + piece.nbytes)])), "piece not cold"
+        header = os.pread(rw.fd, rw.manifest.data_offset, 0)
+        (diff,) = integrity.verify(rw.fd, rw.manifest, header, integrity.Throttle(1.0, 1 << 60)).differences
+        assert (diff.start, diff.end) == (piece.offset + 5, piece.offset + 6), "the change was not located"
+        after = pages(path)
+    lost, brought = lost_and_brought(before, after)
+    say = f"{os.path.basename(path)}: " + figures(before, after, [(piece.begin, piece.begin + piece.nbytes)])
+    assert not lost, f"the verify dropped {len(lost)} pages cached before (first at byte {lost[0] * PAGE}); {say}"
+    assert not brought, f"the verify left {len(brought)} pages it read (first at byte {brought[0] * PAGE}); {say}"
