@@ -41,8 +41,11 @@ MUTATIONS = [
     Mutation("no residency snapshot: every checkpoint file taken for cold", DB,
              "        self.before = None if everything else resident(fd, size)", "        self.before = None",
              (CACHED, EXACT)),
-    Mutation("mincore's reserved bits taken for residency", DB,
-             "        return bytes(vec).translate(_LOW_BIT)", "        return bytes(vec)", (EXACT,)),
+    Mutation("a partly cached file taken for wholly cached by cachestat's count (nothing of it dropped)", DB,
+             "    if counted is not None and counted >= pages:", "    if counted is not None and counted > 0:",
+             (EXACT,)),
+    Mutation("a partly cached file taken for cold by cachestat's count (its cached pages dropped)", DB,
+             "    if counted == 0:", "    if counted is not None and counted < pages:", (EXACT,)),
     Mutation("a process that may not see a file's cache trusts mincore's all-cached answer", DB,
              "    if not _may_see(fd):\n        return None\n", "", (UNSEEN,)),
     # Dropping behind, and the readahead tail.
