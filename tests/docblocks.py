@@ -158,7 +158,7 @@ def commands_in_prose(where: str, text: str) -> list[Mention]:
 
 
 def mentions() -> list[Mention]:
-    """Every `pled` command the docs name, in blocks and in prose (an `output` block's text is pled's, not a command)."""
+    """Every `pled` command the docs name, in blocks and prose (an `output` block is pled's text, not a command)."""
     found = []
     for path in doc_files():
         rel = str(path.relative_to(ROOT))
