@@ -218,3 +218,54 @@ def test_every_link_between_the_docs_leads_to_a_file_and_a_heading_that_exist():
                 elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
                     wrong.append(f"{path.relative_to(ROOT)}:{n}: {target}: no such heading in {dest.name}")
     assert not wrong, "\n".join(wrong)
+
+
+# -- the make targets and repository files the docs name ------------------------------------------------------------
+
+def code_texts() -> list[tuple[str, str]]:
+    """(where, text) of every block that is not pled's output or a figure, and of every inline code span."""
+    found = []
+    for path in docblocks.doc_files():
+        text = path.read_text()
+        blocks = docblocks.blocks_of(path, text)
+        found += [(b.where, b.text) for b in blocks if b.marker not in ("output", "figure")]
+        fenced = {b.line + k for b in blocks for k in range(b.text.count("\n") + 2)}
+        for n, line in enumerate(text.splitlines(), 1):
+            if n not in fenced:
+                found += [(f"{path.relative_to(ROOT)}:{n}", span) for span in re.findall(r"`([^`\n]+)`", line)]
+    return found
+
+
+MAKE = re.compile(r"(?<![\w-])make((?:[ \t]+(?:[A-Z][A-Z_0-9]*=\S*|[a-z][\w-]*))+)")
+
+
+def test_every_make_target_and_variable_the_docs_name_is_in_the_makefile():
+    makefile = (ROOT / "Makefile").read_text()
+    targets = set(re.findall(r"^([a-z][\w-]*):(?!=)", makefile, flags=re.M))
+    assert {"test", "deb", "lint"} <= targets, targets
+    wrong = []
+    for where, text in code_texts():
+        for m in MAKE.finditer(text):
+            for word in m[1].split():
+                if "=" in word:
+                    var = word.split("=", 1)[0]
+                    if not re.search(rf"\$\({var}\)|\$\$\{{?{var}\b", makefile):
+                        wrong.append(f"{where}: make {word}: the Makefile reads no {var}")
+                elif word not in targets:
+                    wrong.append(f"{where}: make {word}: no such target")
+                    break
+    assert not wrong, "\n".join(wrong)
+
+
+REPO_PATH = re.compile(r"(?<![\w./~$-])((?:units|deploy|config|tests|tools|bench|pled|debian|docs|\.ci)/"
+                       r"[\w./*,-]*[\w*])")
+PLACEHOLDERS = {"pled/x.py", "tests/test_x.py"}  # README's `make mutants MODULES=... TESTS=...` example
+
+
+def test_every_file_of_the_checkout_the_docs_name_exists():
+    import glob
+
+    wrong = [f"{where}: {name}: not in the checkout" for where, text in code_texts()
+             for name in REPO_PATH.findall(text)
+             if name not in PLACEHOLDERS and not glob.glob(str(ROOT / name), recursive=True)]
+    assert not wrong, "\n".join(wrong)
