@@ -9,6 +9,7 @@ language and ignores the rest):
     ```sh run [pled=T,...]           run here by bash (-e, pipefail) in an empty temporary directory, with .venv's
                                      bin (the `pled` command) first on PATH
     ```sh run ... stdout=json        and what it prints is JSON, one document a line
+    ```sh run ... cwd=checkout       in the checkout instead (a block that reads it and writes nothing)
     ```toml config                   a pled.toml, or part of one: read by pled's own config parser, must be accepted
     ```text output                   what a command or pled prints (a message, log lines): shown, not run
     ```text figure                   a diagram: shown, not run
