@@ -235,7 +235,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pled",
                                 description="Keep a large model's embedding tables resident in shared memory.")
     p.add_argument("--version", action="version", version=f"pled {__version__}")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="the least severe log lines shown (default %(default)s)")
     sub = p.add_subparsers(dest="command", required=True)
     config_help = f"config file (default ${config_file.ENV_VAR} or {config_file.DEFAULT_PATH})"
     layouts = list(LAYOUTS)
@@ -246,8 +247,8 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("inspect", help="validate a sidecar directory or glob, or a model checkpoint's PLE tables, "
                                        "and describe it")
-    s.add_argument("path")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("path", help="a sidecar directory, a .safetensors file, a glob of them, or a model checkpoint")
+    s.add_argument("--json", action="store_true", help="the same description as JSON")
     s.add_argument("--checkpoint", action="store_true",
                    help="read PATH as a model checkpoint: the PLE tables a `checkpoint` table would stage (the default "
                         "where PATH has a model.safetensors.index.json or holds PLE tensors)")
@@ -255,7 +256,7 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("preflight", help="check that this host and cgroup can hold the configured tables")
     s.add_argument("-c", "--config", help=config_help)
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="each table's figures and the verdict as JSON")
     s.set_defaults(func=_preflight)
 
     s = sub.add_parser("serve", help="run the daemon: preflight, stage, hold the tables until SIGTERM")
@@ -265,8 +266,10 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("status", parents=[daemon], help="what the running daemon holds, and who is attached")
     s.add_argument("--json", action="store_true", help="the same as --format json")
     s.add_argument("--format", choices=["text", "json", "prometheus"], default="text",
-                   help="prometheus: the metrics pled writes to metrics_file, on stdout (exit 0 whenever pled answers)")
-    s.add_argument("--timeout", type=float, default=5.0)
+                   help="text, json, or prometheus: the metrics pled writes to metrics_file, on stdout, exit 0 "
+                        "whenever pled answers (default %(default)s)")
+    s.add_argument("--timeout", type=float, default=5.0,
+                   help="seconds to wait for pled's answer before exit 3 (default %(default)s)")
     s.add_argument("--live", action="store_true",
                    help="exit 0 whenever pled answers within --timeout, staging or not; 3 when it does not "
                         "(a liveness probe: staging is alive, a pled that stopped answering is not)")

@@ -14,9 +14,9 @@ CHECKPOINT_DTYPES = ("bf16", "fp8", "nvfp4")
 def add_commands(sub, layouts) -> None:
     """The three commands' parsers, on ``pled``'s subparsers."""
     s = sub.add_parser("demo", help="stage a small synthetic sidecar and read it back")
-    s.add_argument("--layout", default="ples_int4", choices=layouts)
-    s.add_argument("--shards", type=int, default=16)
-    s.add_argument("--rows", type=int, default=50_000)
+    s.add_argument("--layout", default="ples_int4", choices=layouts, help="the quantized layout (default %(default)s)")
+    s.add_argument("--shards", type=int, default=16, help="how many shard files (default %(default)s)")
+    s.add_argument("--rows", type=int, default=50_000, help="rows per shard (default %(default)s)")
     s.add_argument("--keep", action="store_true", help="keep the temporary sidecar")
     s.set_defaults(func=demo)
 
