@@ -21,7 +21,21 @@ BINDING = ("tests/test_hugetlb_readers.py::"
 IDENTITY = ("tests/test_held_file_identity.py::"
             "test_a_held_file_replaced_by_rename_at_the_same_size_and_mtime_is_refused_never_served_stale")
 
+RANKS = ("tests/test_vllm_033_ple_ranks.py::"
+         "test_every_rank_of_every_form_views_its_rows_and_refuses_a_change_in_them_only")
+
 MUTATIONS = [
+    # 2: every rank, every form: each rank views and compares its own rows.
+    Mutation("the unsharded ngram_embedding.weight compared from row 0 on every rank", "pled/client/ple_seams.py",
+             "        source, target = loaded.narrow(0, start, end - start), param.narrow(0, 0, end - start)\n",
+             "        source, target = loaded.narrow(0, 0, end - start), param.narrow(0, 0, end - start)\n", (RANKS,)),
+    Mutation("a rank's rows compared by their first row only", "pled/client/ple_seams.py",
+             "    if not torch.equal(source.contiguous().view(torch.uint8), target.view(torch.uint8)):\n",
+             "    if not torch.equal(source[:1].contiguous().view(torch.uint8), target[:1].view(torch.uint8)):\n",
+             (RANKS,)),
+    Mutation("every rank's pinned view starts at the array's row 0", "pled/client/ple_seams.py",
+             "count=(hi - lo) * row, offset=array.offset + lo * row)", "count=(hi - lo) * row, offset=array.offset)",
+             (RANKS,)),
     # 9a: an Attach reply with more than one fd: refused, every fd that came closed.
     Mutation("a reply may carry four fds (the client's whole ancillary buffer); the first is mapped",
              "pled/client/connection.py", "MAX_REPLY_FDS = 1  #", "MAX_REPLY_FDS = 4  #", (REPLY_FDS,)),
