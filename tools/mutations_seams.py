@@ -24,7 +24,20 @@ IDENTITY = ("tests/test_held_file_identity.py::"
 RANKS = ("tests/test_vllm_033_ple_ranks.py::"
          "test_every_rank_of_every_form_views_its_rows_and_refuses_a_change_in_them_only")
 
+SNAPSHOT = ("tests/test_held_file_identity.py::"
+            "test_a_hugging_face_snapshot_is_one_set_of_files_from_its_links_and_from_its_blobs")
+CK = "tests/test_checkpoint_tables.py::"
+
 MUTATIONS = [
+    # 5: a Hugging Face snapshot (links into blobs/) is the same files, from its links and from its blobs.
+    Mutation("a held file looked up by the path as given (a snapshot's link is not its blob)",
+             "pled/client/held_files.py",
+             "        real = os.path.realpath(path)\n        held = self.files.get(real)\n",
+             "        real = os.path.abspath(path)\n        held = self.files.get(real)\n", (SNAPSHOT,)),
+    Mutation("a checkpoint's files recorded by the path as found (a snapshot's link, not its real path)",
+             "pled/daemon/sources/checkpoint.py", "    return Shard(index=index, path=os.path.realpath(path),",
+             "    return Shard(index=index, path=os.path.abspath(path),",
+             (SNAPSHOT, CK + "test_the_region_reads_back_alone_and_a_client_maps_the_checkpoint_tensors")),
     # 2: every rank, every form: each rank views and compares its own rows.
     Mutation("the unsharded ngram_embedding.weight compared from row 0 on every rank", "pled/client/ple_seams.py",
              "        source, target = loaded.narrow(0, start, end - start), param.narrow(0, 0, end - start)\n",
