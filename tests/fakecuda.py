@@ -28,6 +28,12 @@ class FakeCuda:
     def device(self) -> int:
         return 0
 
+    def device_count(self) -> int:
+        return 1
+
+    def set_device(self, device: int) -> None:
+        assert device == 0
+
     def device_name(self, device: int) -> str:
         return self.name
 
