@@ -162,7 +162,24 @@ def test_the_table_s_route_order_is_followed_and_kept_for_its_other_slices(regio
         t.close()
 
 
-def test_without_cuda_the_view_is_plain_and_said_once(regions, capsys):
+def test_two_slices_of_one_table_are_registered_each_and_a_covered_one_not_again(regions, fake):
+    t = table(regions)
+    try:
+        first, a = view(t, 0)
+        second, b = view(t, 1)  # another array of the same table, further on: its own pages, its own registration
+        assert [c[2] for c in fake.calls] == [0x0A, 0x0A] and fake.calls[0][0] < fake.calls[1][0]
+        assert first.is_pinned() and second.is_pinned() and len(registry.registrations.held) == 2
+        inner, _ = view(t, 0, 10, 20)  # rows inside the first slice: its pages are registered already
+        assert len(fake.calls) == 2 and inner.is_pinned()
+        del first, second, inner
+    finally:
+        gc.collect()
+        t.close()
+
+
+def test_without_cuda_the_view_is_plain_and_said_once(regions, caplog, monkeypatch):
+    monkeypatch.setattr(gpu.view, "_said_no_cuda", False)
+    caplog.set_level(logging.INFO, logger="vllm.pled")
     with gpu.use(None):
         assert gpu.runtime() is None  # the CPU build of torch: no CUDA in this process
         t = table(regions)
@@ -170,6 +187,8 @@ def test_without_cuda_the_view_is_plain_and_said_once(regions, capsys):
             first, a = view(t, 0)
             second, _ = view(t, 1)
             assert first.data_ptr() == t.address + a.offset and not registry.registrations.held
+            said = [r.getMessage() for r in caplog.records if "no CUDA in this process" in r.getMessage()]
+            assert len(said) == 1 and "plain CPU views, nothing registered" in said[0], said
         finally:
             del first, second
             t.close()
