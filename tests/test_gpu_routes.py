@@ -235,3 +235,17 @@ def test_a_range_released_by_its_last_owner_leaves_the_table_and_registers_again
     finally:
         gc.collect()
         t.close()
+
+
+def test_a_writer_whose_writable_registration_fails_is_left_read_only(regions, fake):
+    """The writable route registered nothing (the device refused Mapped too): the writer's mapping is made read-only
+    all the same, and the refusal names the CUDA error."""
+    fake.attrs, fake.fail = BARE, {0x02: INVALID_VALUE}
+    t = table(regions, "writable", True, routes=("writable",))
+    try:
+        with pytest.raises(gpu.NoRoute, match=r"writable registration: cudaHostRegister\(Mapped\) of table t"):
+            view(t)
+        assert t.protected and mapping_perms(t) == "r--s" and not fake.ranges
+    finally:
+        gc.collect()
+        t.close()
