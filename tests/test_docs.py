@@ -326,3 +326,14 @@ def test_the_configuration_table_lists_every_key_pled_reads():
              for key in [*config.Config.model_fields, *config.TableConfig.model_fields] if key != "tables"
              if not re.search(rf"^\| (?:`\[\[table\]\]` )?`(?:[\w]+`, `)*{key}`", table, flags=re.M)]
     assert not wrong, "\n".join(wrong)
+
+
+def test_every_pled_variable_the_docs_name_is_read_or_written_somewhere():
+    """PLED_SOCKET, PLED_FALLBACK, a journal field such as PLED_TABLE, ...: each is in pled's code, the Makefile or a
+    recipe under deploy/ (a name that is only in the docs is one an operator sets for nothing)."""
+    code = "\n".join(p.read_text(errors="replace") for pattern in ("pled/**/*.py", "deploy/**/*", "Makefile", "units/*")
+                     for p in ROOT.glob(pattern) if p.is_file())
+    named = {v for p in docblocks.doc_files() for v in re.findall(r"\bPLED_[A-Z][A-Z_]*\b", p.read_text())}
+    assert "PLED_SOCKET" in named
+    wrong = sorted(v for v in named if not re.search(rf"\b{v}\b", code))
+    assert not wrong, f"named in the docs, used nowhere: {wrong}"
