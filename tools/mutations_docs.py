@@ -41,8 +41,8 @@ MUTATIONS = [
     Mutation("the version a VERSION build carries shown with head (pipefail: SIGPIPE)", "docs/operations.md",
              'tools/deb.sh --changelog "$v" | sed -n 1,3p', 'tools/deb.sh --changelog "$v" | head -1', (RUN,)),
     Mutation("operations.md's checkpoint table example with a key pled refuses", "docs/operations.md",
-             'name = "qwen4-ple"\ncheckpoint = "/srv/models/qwen4"',
-             'name = "qwen4-ple"\ncheckpoints = "/srv/models/qwen4"', (CONFIG,)),
+             'checkpoint = "/srv/models/qwen4"\n```',
+             'checkpoints = "/srv/models/qwen4"\n```', (CONFIG,)),
     # Every block says what it is.
     Mutation("a figure's block without its marker", "docs/ARCHITECTURE.md", "```text figure\nDaemon.run",
              "```\nDaemon.run", (MARKED,)),
