@@ -14,7 +14,7 @@ What it measures, each figure from the run or the reason it could not be had:
 - per page kind (``4k``, ``thp``, ``hugetlb``; bench/device_pages.py stages one synthetic nvfp4 checkpoint of
   --table-gib on each, putting back shmem_enabled and the 2 MiB pool): what staging got; the client's mapping
   (pled.client.mapped_table.Table, populated) and its smaps; cudaHostRegister(Mapped|ReadOnly) of the whole table
-  through pled's seam (pled.client.host_register), --register-repeats times: seconds, GiB/s, is_pinned, and the
+  through pled's seam (pled.client.gpu), --register-repeats times: seconds, GiB/s, is_pinned, and the
   unregistering; one cudaHostRegister(Mapped) without ReadOnly (how it fails on a PROT_READ mapping); then rank
   --rank of --world's rows, registered as the plugin registers them (a page-rounded, unaligned slice), looked up by
   the carried nvfp4 kernel through the CUDA view (cudaHostGetDevicePointer) into float32 and bf16 and compared with

@@ -16,7 +16,7 @@ import numpy as np
 from bench import device_child, device_lookup, device_pages
 from bench.device_cuda import Cuda, PinnedCopy, Registered, try_register
 from bench.device_procfs import smaps_of
-from pled.client import host_register
+from pled.client import gpu
 from pled.client.mapped_table import Table
 
 GiB = 1 << 30
@@ -97,7 +97,7 @@ def registration(ctx: Context, table: Table, kind: str) -> dict:
                          "gib_per_s_median": nbytes / GiB / statistics.median(took), "is_pinned": pinned,
                          "unregister_seconds": device_lookup.summary(released)},
             "register_without_read_only": try_register(ctx.cuda, table.address + first.offset, first.nbytes,
-                                                       host_register.MAPPED)}
+                                                       gpu.cuda.MAPPED)}
 
 
 def page_kind(ctx: Context, kind: str) -> dict:

@@ -150,8 +150,10 @@ def test_refusals_name_the_tensor_or_the_device_and_the_fallback_warns_once(serv
            "rows), but pled holds weight BF16 width 64 (table bf16), " in errors["cast"]["0"]["error"]
     assert ": a cast, and pled serves a PLE table only in its checkpoint's dtype" in errors["cast"]["0"]["error"]
     assert "cudaHostRegister(Mapped|ReadOnly) of model.language_model.layers.0" in errors["refused"]["0"]["error"]
-    assert "device 0 (FakeGPU (no read-only registration)) does not support read-only host registration" in \
+    assert "device 0 (FakeGPU (no read-only registration)) cannot read model.language_model.layers.1" in \
         errors["read-only"]["1"]["error"]
+    assert "read-only registration: no read-only host registration (cudaDevAttrHostRegisterReadOnlySupported = 0)" \
+        in errors["read-only"]["1"]["error"] and "PLED_FALLBACK=disk" in errors["read-only"]["1"]["error"]
     assert "rows 0..400116 (table fp8) is not pinned after cudaHostRegister" in errors["unpinned"]["0"]["error"]
     assert f"pled holds {PREFIX0}.weight with {rows[0] + 6} rows (table other), but vLLM's " \
            f"model.layers.0.ple.ple_embedding.ngram_embedding has {rows[0]}: not this model's checkpoint" in \

@@ -169,9 +169,11 @@ class State:
         if held is None:
             return None
         st = os.stat(real)
-        if (st.st_size, st.st_mtime_ns) != (held.shard.size, held.shard.mtime_ns):
-            what = (f"size {st.st_size}, was {held.shard.size}" if st.st_size != held.shard.size
-                    else "modified, at the same size")
+        shard = held.shard
+        if (st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino) != (shard.size, shard.mtime_ns, shard.dev, shard.ino):
+            what = (f"size {st.st_size}, was {shard.size}" if st.st_size != shard.size
+                    else "modified, at the same size" if st.st_mtime_ns != shard.mtime_ns
+                    else "replaced by another file (inode) of the same size and mtime")
             self.refuse(f"{real} changed since pled staged it into table {held.table.name} "
                         f"({what}); restart pled to stage it anew, then vLLM")
             return None
