@@ -134,6 +134,11 @@ def _show_status(args, st: dict) -> int:
                          "its own 2 MiB boundary; `pled status --json` lists them)")
         if t.get("error"):
             notes.append(f"{t['table']}: {t['error']}")
+        if t.get("sources") not in (None, "unchanged"):  # served as staged; the disk may no longer say the same
+            notes.append(f"{t['table']}: served as staged, but its source files " + (
+                f"could not be checked ({t['sources'][13:]})" if t["sources"].startswith("not checked: ") else
+                f"are not as pled staged them ({t['sources']}): `pled verify {t['table']}` compares them, "
+                "`pled reload` stages what is there now"))
         if t.get("gpu_access") == "writable":
             m = t.get("modification") or {}
             writers = ", ".join(f"pid {p}" for p in m.get("writers") or []) or "none"
