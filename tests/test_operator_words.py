@@ -10,6 +10,8 @@ serve and the real `pled` command.
 - `allow_uids` admits nobody the socket's modes keep out (the docs said it "admits others too"): the uid needs the
   ACL entries operations.md's drop-in gives it (written here as setfacl writes them: the host has no setfacl), and
   then pled's own check decides.
+- `pled status`, `verify` and `reload` where this user may not (the socket's modes, pled's check, a reload by a group
+  member) exit 77, EX_NOPERM, not 1: status's 1 is "a table not ready", verify's 1 "a difference found".
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ import struct
 import pytest
 
 import harness
+import pled.cli
+import pled.verify  # noqa: F401  imported before the fork, as the children may not read the stdlib
 from forked import as_user
 from harness import unused_gid, write_config
 from pled import client
@@ -98,3 +102,33 @@ def test_allow_uids_admits_a_uid_only_with_the_acl_entries_of_the_docs_drop_in(t
         assert said.startswith("PermissionDenied") and "refused uid 65534" in said, said
     finally:
         pled.stop()
+
+
+def cli(*argv: str) -> str:
+    """`pled ARGV` in this (forked) process: its exit status, as a str."""
+    return str(pled.cli.main(list(argv)))
+
+
+@pytest.mark.root
+def test_status_verify_and_reload_exit_77_where_this_user_may_not(tmp_path, open_dir):
+    import xxhash  # noqa: F401  verify's; imported here, as the forked child may not read the stdlib's directory
+
+    g = unused_gid(61300)
+    sock = os.path.join(open_dir, "perm", "pled.sock")
+    make_sidecar(os.path.join(open_dir, "side"), "ples_int4", shards=2, rows=300)  # verify reads it as the user
+    daemon = harness.start(tmp_path, {"t": os.path.join(open_dir, "side")}, name="perm", socket=sock, group=g,
+                           extra_groups=[])
+    try:
+        # outside group g: the 0750 directory keeps the user out
+        assert [as_user(lambda c=c: cli(c, "--socket", sock), []) for c in ("status", "verify", "reload")] == \
+            ["77"] * 3
+        # in group g: status and verify answer (0: healthy, identical); a reload is for root and user pled only
+        assert [as_user(lambda c=c: cli(c, "--socket", sock), [g]) for c in ("status", "verify", "reload")] == \
+            ["0", "0", "77"]
+        # pled's own check: the file system opened up, a uid neither in g nor in allow_uids is refused by pled
+        os.chmod(os.path.dirname(sock), 0o755)
+        os.chmod(sock, 0o666)
+        assert as_user(lambda: cli("status", "--socket", sock), []) == "77"
+        assert as_user(lambda: cli("verify", "--socket", sock), []) == "77"
+    finally:
+        daemon.stop()
