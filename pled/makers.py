@@ -52,6 +52,13 @@ def add_commands(sub, layouts) -> None:
     s.add_argument("--files", type=int, default=3, help="how many .safetensors files (default %(default)s)")
     s.add_argument("--seed", type=int, default=0, help="the random generator's seed (default %(default)s)")
     s.add_argument("--no-index", action="store_true", help="write no model.safetensors.index.json (default: write it)")
+    s.add_argument("--kind", default="ple", choices=("ple", "engram"),
+                   help="ple: Qwen4Exp PLE tables (--dtype, --rows, --width, --parts); engram: DeepSeek V4.1 Engram "
+                        "tables, layers 1 and 3, 4 hash heads each of prime sizes above --engram-vocab, 256 F8_E4M3 "
+                        "values and 8 F8_E8M0 scales a row, beside other tensors, with config.json (default "
+                        "%(default)s)")
+    s.add_argument("--engram-vocab", type=int, default=50,
+                   help="with --kind engram: engram_vocab_size, each hash head's base size (default %(default)s)")
     s.set_defaults(func=make_checkpoint)
 
 
@@ -92,6 +99,8 @@ def make_sidecar(args) -> int:
 def make_checkpoint(args) -> int:
     from pled import generator
 
+    if args.kind == "engram":
+        return _make_engram_checkpoint(args)
     try:
         rows = [int(r) for r in args.rows.split(",")]
     except ValueError:
@@ -117,4 +126,21 @@ def make_checkpoint(args) -> int:
     say(f"wrote {len(paths)} checkpoint file(s){'' if args.no_index else ' and model.safetensors.index.json'} to "
         f"{args.dir}: {len(rows)} layer(s) of {args.dtype} PLE tables ({', '.join(f'{r:,}' for r in rows)} rows, "
         f"width {args.width}, {args.parts} shard tensors each); `pled inspect --checkpoint {args.dir}` describes them")
+    return 0
+
+
+def _make_engram_checkpoint(args) -> int:
+    from pled.generator import ENGRAM, make_engram_checkpoint
+
+    if args.engram_vocab < 2 or args.files < 1:
+        say(f"pled make-checkpoint: --engram-vocab {args.engram_vocab} or --files {args.files}: a head's vocabulary "
+            "is at least 2 and files at least 1", file=sys.stderr)
+        return EX_USAGE
+    paths, c = make_engram_checkpoint(args.dir, {**ENGRAM, "engram_vocab_size": args.engram_vocab},
+                                      files=args.files, seed=args.seed, index=not args.no_index)
+    rows = c["engram_num_embeddings"]
+    say(f"wrote {len(paths)} checkpoint file(s){'' if args.no_index else ' and model.safetensors.index.json'} and "
+        f"config.json to {args.dir}: DeepSeek V4.1 Engram tables of layers {c['engram_layer_ids']} "
+        f"({', '.join(f'{r:,}' for r in rows)} rows of {c['engram_head_dim']} F8_E4M3 values and "
+        f"{c['engram_head_dim'] // 32} F8_E8M0 scales); `pled inspect --checkpoint {args.dir}` describes them")
     return 0
