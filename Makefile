@@ -90,8 +90,10 @@ fuzz: $(VENV)/.fuzz-ready
 # The Debian 12 package of pled's host side (debian/): build/deb/pled_VERSION_ARCH.deb, built by dh-virtualenv with
 # Debian's own Python 3.11 into /usr/lib/pled, then checked by lintian (tools/deb.sh). Its set-up: Debian's build
 # tools, installed with apt-get where any one is missing (as root). tests/test_deb.py installs, upgrades and purges it.
-# Quiet: one line on success (V=1: the build's log and every lintian line). VERSION=1.2.3-1~local1: build as that
-# Debian version (a changelog entry is added in the build's copy; debian/changelog is the version's one source).
+# Quiet: one line on success (V=1: the build's log and every lintian line). VERSION=0.2.0+local1: build as that
+# Debian version, which must sort above debian/changelog's (a changelog entry is added in the build's copy only).
+# The version's one source is pled/__init__.py's __version__; debian/changelog's top entry repeats it, and
+# tools/deb.sh refuses a build where they disagree (docs/operations.md, "A higher version").
 DEB_TOOLS := dpkg-buildpackage dh_virtualenv lintian
 deb:
 	@missing=; for t in $(DEB_TOOLS); do command -v $$t >/dev/null 2>&1 || missing=1; done; \
