@@ -86,8 +86,8 @@ MUTATIONS = [
              "| `[[table]]` `gpu_routes` |", "| `[[table]]` `gpu_route_order` |",
              (T + "test_the_configuration_table_lists_every_key_pled_reads",)),
     Mutation("the docs name a variable pled never reads", "docs/operations.md",
-             "`PLED_FALLBACK=disk` gives vLLM its own private copies",
-             "`PLED_FALLBACKS=disk` gives vLLM its own private copies",
+             "where the device has HMM, or `PLED_FALLBACK=disk`:",
+             "where the device has HMM, or `PLED_FALLBACKS=disk`:",
              (T + "test_every_pled_variable_the_docs_name_is_read_or_written_somewhere",)),
     # A higher package version (issue 47.6).
     Mutation("a VERSION build without its changelog entry", "tools/deb.sh",
