@@ -31,11 +31,6 @@ from ple_rank import FakeCuda, mapping_of, rss_anon
 
 DEV_SHM = "/dev/shm"
 
-if not hasattr(FakeCuda, "attribute"):  # TEMP until main brings pled.client.gpu's fake
-    FakeCuda.attribute = lambda self, device, attr: {99: 1, 113: 1, 91: 1}.get(attr, 0)
-    FakeCuda.versions = lambda self: (13000, 13000)
-    FakeCuda.device_alias = lambda self, tensor: tensor
-
 
 def install_fakes(fake):
     import torch
