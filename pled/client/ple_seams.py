@@ -12,8 +12,9 @@ pled serving the checkpoint's PLE tables as arrays (a ``checkpoint`` table), thr
 - ``PLEVocabParallelEmbedding.weight_loader`` (never ``VocabParallelEmbedding``'s, which every embedding uses): where
   the destination lies in pled's mapping (by address: vLLM's parameter wrappers drop attributes), upstream's checks,
   then a comparison instead of the copy; a difference or a cast is refused naming the tensor; nothing is written.
-  The checkpoint's shard tensors come from pled too (the loader seams serve a file's tensors), so the comparison is
-  an identity check and no PLE byte is read from disk.
+  The checkpoint's shard tensors come from pled too (the loader seams serve a file's tensors, as copy-on-write
+  views of the same pages: pled.client.private_views), so the comparison is an identity check (the same table and
+  offset, and no page of them written in this process) and no PLE byte is read from disk.
 - The module's own ``get_accelerator_view_from_cpu_tensor``: refuses a pled tensor that is not pinned, so the UVA
   helper can never make its silent private copy of one.
 
@@ -260,9 +261,25 @@ def _compare(layer, table, param, loaded, checkpoint_start) -> None:
             return
         source = loaded.narrow(0, overlap.source_start, overlap.row_count)
         target = param.narrow(0, overlap.destination_start, overlap.row_count)
-    if source.data_ptr() == target.data_ptr() and source.stride() == target.stride():
+    if _same_rows(table, source, target):
         return  # pled served the checkpoint's tensor from the same array: the same bytes
     if not torch.equal(source.contiguous().view(torch.uint8), target.view(torch.uint8)):
         raise PledUnavailable(f"pled: {name()} differs from the rows pled's region holds for it (table {table.name} "
                               "generation "f"{table.generation}): the checkpoint changed since pled staged it; run "
                               "`pled reload`, then start vLLM again")
+
+
+def _same_rows(table, source, target) -> bool:
+    """Whether ``source`` is ``target``'s own bytes, without reading them: the same address (a view of pled's shared
+    mapping), or a copy-on-write view of the same offset of the same table (what pled's safe_open hands vLLM's
+    loader, pled.client.private_views) none of whose pages this process has written."""
+    if source.stride() != target.stride():
+        return False
+    if source.data_ptr() == target.data_ptr():
+        return True
+    from pled.client import private_views
+
+    found = private_views.origin(source.data_ptr())
+    if found is None or found[0] is not table or found[1] != target.data_ptr() - table.address:
+        return False
+    return source.is_contiguous() and private_views.unwritten(source.data_ptr(), source.numel() * source.element_size())
