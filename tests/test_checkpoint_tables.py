@@ -1,6 +1,6 @@
 """A `checkpoint` table (pled/daemon/sources/checkpoint.py, pled/shared/arrays.py): a model checkpoint's PLE tables
 staged as arrays, one per table and pinned parameter, rows in shard order, on 2 MiB boundaries, with every other
-promise of a table kept (exact preflight bytes, page cache dropped, seals, digests, verify, Status, reload, the fd
+promise of a table kept (exact preflight bytes, seals, digests, verify, Status, reload, the fd
 store).
 
 The bytes are checked against a reader of the safetensors format written here, independent of pled's."""
@@ -26,7 +26,6 @@ from pled.generator import make_checkpoint, make_sidecar, shard_rows
 from pled.shared import region
 from pled.shared.digests import hash_bytes
 from pled.shared.errors import SidecarError
-from pled.shared.pagecache import cached_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB2 = 2 * 1024 * 1024
@@ -159,18 +158,6 @@ def test_a_checkpoint_pled_cannot_serve_is_refused_naming_the_file_and_what_to_d
         msg = _refused(tmp_path, [shard(0, 0)], {shard(0, 0)[0]: "model-00001-of-00001.safetensors",
                                                  shard(0, 1)[0]: "model-00001-of-00001.safetensors"})
         assert "which model.safetensors.index.json says it holds" in msg
-
-
-def test_staging_drops_the_checkpoints_page_cache(tmp_path, layout):
-    make_checkpoint(str(tmp_path / "m"), "bf16", {0: 20_000, 1: 20_123}, width=64, parts=16, files=2)
-    m_dir = in_layout(layout, tmp_path / "m")
-    files = sorted(str(f) for f in m_dir.glob("*.safetensors"))
-    harness.drop_page_cache(files)
-    for f in files:  # read it in first, as a checkpoint that vLLM just read would be
-        Path(f).read_bytes()
-    assert all(cached_bytes(f) > 2_000_000 for f in files)
-    with staging.stage("t", open_checkpoint(str(m_dir))):
-        assert all(cached_bytes(f) <= MiB2 for f in files), [cached_bytes(f) for f in files]
 
 
 def test_a_stored_checkpoint_region_is_adopted_only_while_its_files_are_unchanged(tmp_path, caplog, layout):

@@ -26,8 +26,9 @@ MUTATIONS = [
     # A held file rewritten at the same size: refused, or read anew from disk; never the bytes pled staged.
     Mutation("a held file's identity checked by its size alone (a same-size rewrite served from the stale region)",
              "pled/client/held_files.py",
-             "        if (st.st_size, st.st_mtime_ns) != (held.shard.size, held.shard.mtime_ns):\n",
-             "        if st.st_size != held.shard.size:\n",
+             "        if (st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino) != (shard.size, shard.mtime_ns, shard.dev, "
+             "shard.ino):\n",
+             "        if st.st_size != shard.size:\n",
              (REWRITTEN,)),
     Mutation('with "fallback": "disk", a changed held file warned about and served from the stale region all the same',
              "pled/client/held_files.py",
@@ -36,11 +37,11 @@ MUTATIONS = [
              (REWRITTEN,)),
     # Expert parallelism: pled's iterator skips exactly the expert weights vLLM's skips.
     Mutation("whole files served from pled's region yield every rank's expert weights", "pled/client/vllm_plugin.py",
-             "            for name, tensor in h.table.shard_tensors(h.shard.index).items():\n"
+             "            for name, index in entries.items():\n"
              "                if not module.should_skip_weight(name, experts):\n"
-             "                    yield name, tensor\n",
-             "            for name, tensor in h.table.shard_tensors(h.shard.index).items():\n"
-             "                yield name, tensor\n",
+             "                    yield name, mapping.tensor(tensors[index])\n",
+             "            for name, index in entries.items():\n"
+             "                yield name, mapping.tensor(tensors[index])\n",
              (EXPERTS,)),
     Mutation("a checkpoint file pled holds the PLE tensors of yields every rank's expert weights",
              "pled/client/vllm_plugin.py",

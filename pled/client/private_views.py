@@ -23,6 +23,7 @@ import mmap
 import os
 import threading
 import weakref
+from typing import Any
 
 import numpy as np
 
@@ -30,7 +31,7 @@ MAP_NORESERVE = 0x4000  # Linux's, on every architecture pled runs on; Python's 
 PAGEMAP = "/proc/self/pagemap"
 _PRESENT, _SWAPPED, _FILE = 1 << 63, 1 << 62, 1 << 61  # pagemap's flags (Documentation/admin-guide/mm/pagemap.rst)
 _lock = threading.Lock()
-_live: dict[int, tuple[int, int, object, int]] = {}  # key -> (address, length, table, offset in the region)
+_live: dict[int, tuple[int, int, Any, int]] = {}  # key -> (address, length, table, offset in the region)
 _keys = itertools.count()
 
 
@@ -93,7 +94,7 @@ def _forget(key: int) -> None:
         _live.pop(key, None)
 
 
-def origin(ptr: int) -> tuple[object, int] | None:
+def origin(ptr: int) -> tuple[Any, int] | None:
     """(table, offset in its region) of an address in a live private mapping; None elsewhere."""
     with _lock:
         for address, length, table, start in _live.values():

@@ -21,6 +21,7 @@ pled keeps serving what it served.
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 import pickle
@@ -99,8 +100,45 @@ def _dumps(obj: object) -> bytes:
     return b"".join(sink.chunks)
 
 
+_SAID_HERE = False
+
+
+def _plan_here(err: OSError, source: str, served: dict, proc_root: str, served_pages: dict[str, int] | None,
+               served_writable: frozenset[str]):
+    """The planning pass in this (the planning) thread, where the child cannot be started: pled's user may not
+    execute ``sys.executable`` again (an interpreter under a directory only root may search; the package's
+    /usr/lib/pled is not such a one). Said once in the log; the reload itself works as before."""
+    global _SAID_HERE
+    if not _SAID_HERE:
+        _SAID_HERE = True
+        log.warning("a reload's planning cannot run in a child process (%s: %s); it runs in pled's planning thread, "
+                    "where a large index holds the loop while it is parsed; give pled's user execute access to "
+                    "its interpreter's path", err.strerror or err, sys.executable)
+    from pled.daemon.regions import planning
+
+    return planning.plan_reload(source, served, proc_root, served_pages, served_writable)
+
+
 def _loads(data: bytes) -> Any:
     return pickle.Unpickler(_Frames(data)).load()
+
+
+def _unpickle_plan(data: bytes) -> Any:
+    """The child's answer, as pled's objects, without a garbage collection over them in the loop's thread.
+
+    A large plan (a table of 120,000 tensors) is a million objects: unpickling them crosses the cyclic collector's
+    thresholds many times, and its collections, run by whichever thread allocates next (often the loop), held the
+    loop up to a second (measured: Pings of 979 ms, faulthandler's dumps showing the loop "Garbage-collecting").
+    The collector is off while they are built, and they are then frozen (gc.freeze: never traversed again). They
+    are acyclic records a table keeps while it is served; reference counting frees them when it is released."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _loads(data)
+    finally:
+        if enabled:
+            gc.enable()
+        gc.freeze()
 
 
 def plan_reload(source: str, served: dict, proc_root: str = "/", served_pages: dict[str, int] | None = None,
@@ -115,8 +153,11 @@ def plan_reload(source: str, served: dict, proc_root: str = "/", served_pages: d
     request = _dumps((source, served, proc_root, served_pages, served_writable, level))
     code = f"import sys; sys.path.insert(0, {root!r}); from pled.daemon.regions.parsing import child; child()"
     started = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-c", code, str(os.getpid())], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, cwd="/", env=env, close_fds=True)
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", code, str(os.getpid())], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, cwd="/", env=env, close_fds=True)
+    except PermissionError as err:  # pled's user may not execute its own interpreter's path (a private prefix)
+        return _plan_here(err, source, served, proc_root, served_pages, served_writable)
     try:
         out = _exchange(proc, request, started + WALL_SECONDS)
     finally:
@@ -129,7 +170,7 @@ def plan_reload(source: str, served: dict, proc_root: str = "/", served_pages: d
     if not out:
         raise PlanningFailed(f"planning the reload {_ended(proc.returncode, time.monotonic() - started)}; "
                              "pled serves what it served")
-    kind, payload, records = _loads(out)
+    kind, payload, records = _unpickle_plan(out)
     for record in records:
         logging.getLogger(record.name).handle(record)
     if kind == "ok":
