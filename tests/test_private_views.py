@@ -72,3 +72,24 @@ def test_origin_is_none_outside_every_view_and_forgotten_with_the_last_one(table
     del t
     gc.collect()
     assert private_views.origin(ptr) is None  # unmapped with the last view: nothing left to find there
+
+
+def test_same_rows_is_the_same_offset_of_the_same_table_unwritten_and_nothing_else(table, tmp_path):
+    """What the compare-only loaders take as pled's own rows without reading them (private_views.same_rows)."""
+    a = table.manifest.arrays[0]
+    rows = a.shape[0]
+    shared = torch.from_numpy(np.frombuffer(table.buffer, dtype=np.uint8, count=a.nbytes, offset=a.offset)).view(
+        torch.bfloat16).reshape(rows, -1)
+    view = private_views.PrivateMapping(table, a.offset, a.offset + a.nbytes).bytes(a.offset, a.nbytes)
+    mine = torch.from_numpy(view).view(torch.bfloat16).reshape(rows, -1)
+    half = rows // 2
+    assert private_views.same_rows(table, shared[half:], shared[half:])  # one address: the same bytes
+    assert private_views.same_rows(table, mine[half:], shared[half:])  # the same offset, mapped copy-on-write
+    assert not private_views.same_rows(table, mine[half:], shared[half - 1:-1])  # other rows
+    assert not private_views.same_rows(table, mine[:, :8], shared[:, :8])  # not the rows as they lie
+    make_checkpoint(str(tmp_path / "o"), "bf16", {0: 3000, 1: 3100}, width=64, parts=8, files=2)
+    with staging.stage("o", open_checkpoint(str(tmp_path / "o"))) as r, Table(os.dup(r.fd), 1, populate=False) as o:
+        assert not private_views.same_rows(o, mine[half:], shared[half:])  # another table's offset
+    mine[half + 1, 0] = 2.0  # a write into those rows: this process's page now, not pled's
+    assert not private_views.same_rows(table, mine[half:], shared[half:])
+    assert private_views.same_rows(table, mine[:half // 4], shared[:half // 4])  # rows pages away still are

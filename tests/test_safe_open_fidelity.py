@@ -26,7 +26,7 @@ from safetensors import SafetensorError
 from safetensors._safetensors_rust import safe_open as REAL
 
 import harness
-from pled.client import held_files, mapped_table, private_views, safe_open_seam
+from pled.client import held_files, private_views, safe_open_seam, tensor_views
 from pled.daemon.sources.safetensors_file import read_header, write
 from pled.shared.region import DTYPE_BITS
 
@@ -351,7 +351,7 @@ def test_backend_is_taken_as_the_installed_safe_open_takes_it(pled_files, wrappe
 def test_a_dtype_this_torch_cannot_view_sends_the_file_to_disk_with_one_warning(pled_files, wrapped, monkeypatch,
                                                                                    caplog):
     """Dropping F8_E8M0 from pled's dtypes stands in for an older torch, one without float8_e8m0fnu."""
-    monkeypatch.delitem(mapped_table._TORCH_DTYPES, "F8_E8M0")
+    monkeypatch.delitem(tensor_views._TORCH_DTYPES, "F8_E8M0")
     path = pled_files.files["torch"]
     with caplog.at_level(logging.WARNING, logger="vllm.pled"):
         for _ in range(2):

@@ -251,25 +251,12 @@ def _compare(layer, table, param, loaded, checkpoint_start) -> None:
             return
         source = loaded.narrow(0, overlap.source_start, overlap.row_count)
         target = param.narrow(0, overlap.destination_start, overlap.row_count)
-    if _same_rows(table, source, target):
+    from pled.client import private_views  # numpy: only once vLLM loads weights
+
+    if private_views.same_rows(table, source, target):
         return  # pled served the checkpoint's tensor from the same array: the same bytes
     if not torch.equal(source.contiguous().view(torch.uint8), target.view(torch.uint8)):
         raise PledUnavailable(f"pled: {name()} differs from the rows pled's region holds for it (table {table.name} "
                               "generation "f"{table.generation}): the checkpoint changed since pled staged it; run "
                               "`pled reload`, then start vLLM again")
 
-
-def _same_rows(table, source, target) -> bool:
-    """Whether ``source`` is ``target``'s own bytes, without reading them: the same address (a view of pled's shared
-    mapping), or a copy-on-write view of the same offset of the same table (what pled's safe_open hands vLLM's
-    loader, pled.client.private_views) none of whose pages this process has written."""
-    if source.stride() != target.stride():
-        return False
-    if source.data_ptr() == target.data_ptr():
-        return True
-    from pled.client import private_views
-
-    found = private_views.origin(source.data_ptr())
-    if found is None or found[0] is not table or found[1] != target.data_ptr() - table.address:
-        return False
-    return source.is_contiguous() and private_views.unwritten(source.data_ptr(), source.numel() * source.element_size())

@@ -61,7 +61,7 @@ class PrivateMapping:
         or with ``file_shape`` as Table.file_view does (an F4 tensor in the file's shape, which torch refuses)."""
         import torch
 
-        from pled.client.mapped_table import torch_dtype
+        from pled.client.tensor_views import torch_dtype
 
         dtype = torch_dtype(entry.dtype)
         shape = tuple(entry.shape)
@@ -74,7 +74,7 @@ class PrivateMapping:
 
     def array(self, entry) -> np.ndarray:
         """``entry`` as a writable numpy array in this mapping (Table.array's dtype and shape)."""
-        from pled.client.mapped_table import numpy_dtype
+        from pled.client.tensor_views import numpy_dtype
 
         dtype = numpy_dtype(entry.dtype)
         if not entry.nbytes:
@@ -101,6 +101,21 @@ def origin(ptr: int) -> tuple[Any, int] | None:
             if address <= ptr < address + length:
                 return table, start + ptr - address
     return None
+
+
+def same_rows(table, source, target) -> bool:
+    """Whether tensor ``source`` is tensor ``target``'s own bytes in ``table``, without reading them: the same address
+    (a view of pled's shared mapping), or a view in a private mapping of the same table at the same offset (what
+    pled's safe_open and vLLM's iterator hand out) none of whose pages this process has written. The compare-only
+    loaders (pled.client.ple_seams, engram_seams) read the rows only where this says no."""
+    if source.stride() != target.stride():
+        return False
+    if source.data_ptr() == target.data_ptr():
+        return True
+    found = origin(source.data_ptr())
+    if found is None or found[0] is not table or found[1] != target.data_ptr() - table.address:
+        return False
+    return source.is_contiguous() and unwritten(source.data_ptr(), source.numel() * source.element_size())
 
 
 def unwritten(ptr: int, nbytes: int) -> bool:

@@ -235,7 +235,7 @@ class PledSafeOpen:
             return self._file().get_tensor(name)
         e = self._table.manifest.tensors[index]
         if self._numpy:
-            from pled.client.mapped_table import numpy_dtype
+            from pled.client.tensor_views import numpy_dtype
 
             numpy_dtype(e.dtype)  # a dtype numpy lacks fails as under safetensors, before anything is mapped
             return self._own(index).array(e)
