@@ -7,16 +7,15 @@ import logging
 import os
 import sys
 
-from pled import __version__
+from pled import __version__, makers
 from pled.daemon.health import journal, logs
 from pled.shared import config_file
 from pled.shared.boundary import say
-from pled.shared.errors import EX_CONFIG, EX_INTERRUPTED, EX_NOT_RUNNING, EX_UNAVAILABLE, EX_USAGE, PledError
+from pled.shared.errors import EX_CONFIG, EX_INTERRUPTED, EX_NOPERM, EX_NOT_RUNNING, EX_UNAVAILABLE, PledError
 from pled.shared.layouts import LAYOUTS
 
 log = logging.getLogger("pled")
-# pled.generator's (which imports numpy: not at every command's start); tests/test_operator_cli.py checks they agree
-CHECKPOINT_DTYPES = ("bf16", "fp8", "nvfp4")
+CHECKPOINT_DTYPES = makers.CHECKPOINT_DTYPES
 
 
 def _load_config(path: str | None):
@@ -62,7 +61,8 @@ def _call(args, method: str, command: str) -> tuple[dict | None, int]:
         return client.call(method, socket=_socket_for(args), timeout=args.timeout), 0
     except client.ClientError as err:
         say(f"pled {command}: {err}", file=sys.stderr)
-        return None, EX_NOT_RUNNING if isinstance(err, client.DaemonUnavailable) else 1
+        return None, (EX_NOT_RUNNING if isinstance(err, client.DaemonUnavailable) else
+                      EX_NOPERM if isinstance(err, client.PermissionDenied) else 1)
 
 
 def _status(args) -> int:
@@ -135,6 +135,11 @@ def _show_status(args, st: dict) -> int:
                          "its own 2 MiB boundary; `pled status --json` lists them)")
         if t.get("error"):
             notes.append(f"{t['table']}: {t['error']}")
+        if t.get("sources") not in (None, "unchanged"):  # served as staged; the disk may no longer say the same
+            notes.append(f"{t['table']}: served as staged, but its source files " + (
+                f"could not be checked ({t['sources'][13:]})" if t["sources"].startswith("not checked: ") else
+                f"are not as pled staged them ({t['sources']}): `pled verify {t['table']}` compares them, "
+                "`pled reload` stages what is there now"))
         if t.get("gpu_access") == "writable":
             m = t.get("modification") or {}
             writers = ", ".join(f"pid {p}" for p in m.get("writers") or []) or "none"
@@ -232,75 +237,12 @@ def _verify(args) -> int:
     return 0
 
 
-def _demo(args) -> int:
-    from pled.demo import run
-
-    return run(layout=args.layout, shards=args.shards, rows=args.rows, keep=args.keep)
-
-
-def _make_sidecar(args) -> int:
-    from pled.daemon.sources.sidecar_meta import META_LAYOUT, PUBLISHED_LAYOUT
-    from pled.generator import make_sidecar
-    from pled.shared.layouts import PUBLISHED_ROWS_PER_SHARD, PUBLISHED_WIDTH
-
-    rows, width = args.rows, args.width
-    if args.published_shape:
-        if rows not in (None, PUBLISHED_ROWS_PER_SHARD) or width not in (None, PUBLISHED_WIDTH):
-            say(f"pled make-sidecar: --published-shape writes {PUBLISHED_ROWS_PER_SHARD:,} rows per shard of width "
-                f"{PUBLISHED_WIDTH}; drop --rows and --width, or drop --published-shape", file=sys.stderr)
-            return EX_USAGE
-        rows, width = PUBLISHED_ROWS_PER_SHARD, PUBLISHED_WIDTH
-    rows = 1024 if rows is None else rows
-    width = PUBLISHED_WIDTH if width is None else width
-    try:
-        paths = make_sidecar(args.dir, args.layout, shards=args.shards, rows=rows, width=width, seed=args.seed)
-    except ValueError as err:
-        say(f"pled make-sidecar: {err}", file=sys.stderr)
-        return EX_USAGE
-    shape = "published" if (rows, width) == (PUBLISHED_ROWS_PER_SHARD, PUBLISHED_WIDTH) else "synthetic"
-    whose = "" if args.layout in PUBLISHED_LAYOUT else " (pled's own: the published fp8 string is not known)"
-    say(f"{shape} shape: {len(paths)} shards x {rows:,} rows, width {width}, layout string "
-        f"'{META_LAYOUT[args.layout]}'{whose}")
-    say(f"wrote {len(paths)} shards and META.json to {args.dir}")
-    return 0
-
-
-def _make_checkpoint(args) -> int:
-    from pled.generator import make_checkpoint
-
-    try:
-        rows = [int(r) for r in args.rows.split(",")]
-    except ValueError:
-        say(f"pled make-checkpoint: --rows {args.rows!r}: whole numbers separated by commas, one per layer",
-            file=sys.stderr)
-        return EX_USAGE
-    step = 16 if args.dtype == "nvfp4" else 1  # nvfp4: one scale per 16 columns
-    width_ok = args.width >= step and args.width % step == 0
-    bad = [f"{name} {value}" for name, value, ok in (("--rows", min(rows), min(rows) >= 1),
-                                                     ("--width", args.width, width_ok),
-                                                     ("--parts", args.parts, args.parts >= 1),
-                                                     ("--files", args.files, args.files >= 1)) if not ok]
-    if bad:
-        say(f"pled make-checkpoint: {bad[0]}: rows, parts and files are at least 1, and a width is at least 1 "
-            "(nvfp4: a multiple of 16)", file=sys.stderr)
-        return EX_USAGE
-    try:
-        paths = make_checkpoint(args.dir, args.dtype, rows=dict(enumerate(rows)), width=args.width,
-                                parts=args.parts, files=args.files, seed=args.seed, index=not args.no_index)
-    except ValueError as err:
-        say(f"pled make-checkpoint: {err}", file=sys.stderr)
-        return EX_USAGE
-    say(f"wrote {len(paths)} checkpoint file(s){'' if args.no_index else ' and model.safetensors.index.json'} to "
-        f"{args.dir}: {len(rows)} layer(s) of {args.dtype} PLE tables ({', '.join(f'{r:,}' for r in rows)} rows, "
-        f"width {args.width}, {args.parts} shard tensors each); `pled inspect --checkpoint {args.dir}` describes them")
-    return 0
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pled",
                                 description="Keep a large model's embedding tables resident in shared memory.")
     p.add_argument("--version", action="version", version=f"pled {__version__}")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="the least severe log lines shown (default %(default)s)")
     sub = p.add_subparsers(dest="command", required=True)
     config_help = f"config file (default ${config_file.ENV_VAR} or {config_file.DEFAULT_PATH})"
     layouts = list(LAYOUTS)
@@ -311,8 +253,8 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("inspect", help="validate a sidecar directory or glob, or a model checkpoint's PLE tables, "
                                        "and describe it")
-    s.add_argument("path")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("path", help="a sidecar directory, a .safetensors file, a glob of them, or a model checkpoint")
+    s.add_argument("--json", action="store_true", help="the same description as JSON")
     s.add_argument("--checkpoint", action="store_true",
                    help="read PATH as a model checkpoint: the PLE tables a `checkpoint` table would stage (the default "
                         "where PATH has a model.safetensors.index.json or holds PLE tensors)")
@@ -320,7 +262,7 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("preflight", help="check that this host and cgroup can hold the configured tables")
     s.add_argument("-c", "--config", help=config_help)
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="each table's figures and the verdict as JSON")
     s.set_defaults(func=_preflight)
 
     s = sub.add_parser("serve", help="run the daemon: preflight, stage, hold the tables until SIGTERM")
@@ -330,8 +272,10 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("status", parents=[daemon], help="what the running daemon holds, and who is attached")
     s.add_argument("--json", action="store_true", help="the same as --format json")
     s.add_argument("--format", choices=["text", "json", "prometheus"], default="text",
-                   help="prometheus: the metrics pled writes to metrics_file, on stdout (exit 0 whenever pled answers)")
-    s.add_argument("--timeout", type=float, default=5.0)
+                   help="text, json, or prometheus: the metrics pled writes to metrics_file, on stdout, exit 0 "
+                        "whenever pled answers (default %(default)s)")
+    s.add_argument("--timeout", type=float, default=5.0,
+                   help="seconds to wait for pled's answer before exit 3 (default %(default)s)")
     s.add_argument("--live", action="store_true",
                    help="exit 0 whenever pled answers within --timeout, staging or not; 3 when it does not "
                         "(a liveness probe: staging is alive, a pled that stopped answering is not)")
@@ -350,46 +294,13 @@ def parser() -> argparse.ArgumentParser:
                         "or pled's user); exit 0 once it is staged")
     s.set_defaults(func=_verify)
 
-    s = sub.add_parser("demo", help="stage a small synthetic sidecar and read it back")
-    s.add_argument("--layout", default="ples_int4", choices=layouts)
-    s.add_argument("--shards", type=int, default=16)
-    s.add_argument("--rows", type=int, default=50_000)
-    s.add_argument("--keep", action="store_true", help="keep the temporary sidecar")
-    s.set_defaults(func=_demo)
+    s = sub.add_parser("gpu-check", parents=[daemon], help="as the vLLM user on the GPU host: what each device "
+                       "supports, the route each table takes and why (docs/operations.md); exit 4 without a device")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=lambda args: __import__("pled.client.gpu.check", fromlist=["run"]).run(_socket_for(args),
+                                                                                             args.json))
 
-    s = sub.add_parser("make-sidecar", help="write a synthetic sidecar for tests and benchmarks",
-                       description="Write a synthetic sidecar (shard_N.safetensors and META.json in the published "
-                                   "form) into DIR; the same options and seed give the same bytes.")
-    s.add_argument("dir", help="the directory to write (made if missing)")
-    s.add_argument("--layout", default="ples_int4", choices=layouts, help="the quantized layout (default %(default)s)")
-    s.add_argument("--shards", type=int, default=4, help="how many shard files (default %(default)s)")
-    s.add_argument("--rows", type=int, help="rows per shard (default 1024)")
-    s.add_argument("--width", type=int, help="row width in columns (default 160)")
-    s.add_argument("--published-shape", action="store_true",
-                   help="the published sidecars' shape: 2,500,012 rows per shard, width 160 (an int4 shard is ~250 MB; "
-                        "default off)")
-    s.add_argument("--seed", type=int, default=0, help="the random generator's seed (default %(default)s)")
-    s.set_defaults(func=_make_sidecar)
-
-    s = sub.add_parser("make-checkpoint", help="write a synthetic model checkpoint with PLE tables, for a "
-                                               "`checkpoint` table's tests",
-                       description="Write a synthetic model checkpoint into DIR: model-0000K-of-0000N.safetensors "
-                                   "files holding each layer's PLE table, split into shard tensors as vLLM 0.33 "
-                                   "reads them, beside a norm per layer, and model.safetensors.index.json. The same "
-                                   "options and seed give the same bytes (pled.generator.make_checkpoint).")
-    s.add_argument("dir", help="the directory to write (made if missing)")
-    s.add_argument("--dtype", default="nvfp4", choices=CHECKPOINT_DTYPES, help="the PLE tables' dtype "
-                                                                               "(default %(default)s)")
-    s.add_argument("--rows", default="1000,1234",
-                   help="each layer's padded rows, comma-separated: one layer per number, layers 0, 1, ... "
-                        "(default %(default)s)")
-    s.add_argument("--width", type=int, default=64, help="row width in columns (default %(default)s)")
-    s.add_argument("--parts", type=int, default=7, help="shard tensors per layer's table, vLLM's split_ngram_parts "
-                                                        "(default %(default)s)")
-    s.add_argument("--files", type=int, default=3, help="how many .safetensors files (default %(default)s)")
-    s.add_argument("--seed", type=int, default=0, help="the random generator's seed (default %(default)s)")
-    s.add_argument("--no-index", action="store_true", help="write no model.safetensors.index.json (default: write it)")
-    s.set_defaults(func=_make_checkpoint)
+    makers.add_commands(sub, layouts)
     return p
 
 

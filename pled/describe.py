@@ -56,10 +56,17 @@ def _checkpoint(ck, as_json: bool) -> int:
         print(json.dumps({**ck.describe(), "region_bytes": manifest.region_bytes}, indent=2))
         return 0
     say(ck.source)
-    say(f"  form       PLE tables as arrays, for vLLM 0.33's own PLE path ({len(ck.shards)} file(s) hold them)")
+    say(f"  form       PLE and Engram tables as arrays, for vLLM 0.33's own paths ({len(ck.shards)} file(s) hold them)")
     for a in ck.arrays:
         split = f"{a.parts} shards" if a.parts else "unsharded"
         say(f"  {a.prefix}.{a.param}: {a.dtype} {a.rows} x {a.width}, {split}, {gib(a.nbytes)}")
+    for e in ck.describe()["engram"]:
+        say(f"  Engram table {e['prefix']}: {e['rows']} rows, {e['bytes']} bytes ({gib(e['bytes'])}) once in pled; "
+            "without pled vLLM gives each rank a private pinned copy of its heads (torch rounds values and scales "
+            "each up to a power of two):")
+        for c in e["private_copies"]:
+            say(f"    {c['shards']} head shard(s): about {c['rows']} rows a rank, {gib(c['bytes'])} -> "
+                f"{gib(c['pinned_bytes'])} pinned per rank")
     say(f"  bytes      {ck.nbytes} ({gib(ck.nbytes)}); region {manifest.region_bytes} ({gib(manifest.region_bytes)}) "
         "with alignment")
     return 0

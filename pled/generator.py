@@ -162,3 +162,143 @@ def make_checkpoint(directory: str, dtype: str = "nvfp4", rows: dict[int, int] |
             total = sum(a.nbytes for *_, a in [*tensors, *extra])
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
     return paths
+
+
+# -- DeepSeek V4.1's Engram tables (pled.daemon.sources.engram) --------------------------------------------------------
+
+ENGRAM = {"engram_layer_ids": [1, 3], "engram_max_ngram_size": 3, "engram_n_heads": 2, "engram_head_dim": 256,
+          "engram_vocab_size": 50}  # the smallest real head structure: 4 hash heads a layer, 2 layers
+
+
+def _is_prime(n: int) -> bool:
+    """vLLM 0.33's own test (deepseek_v41 engram.py ``_is_prime``), kept as it is: trial division by the primes to 37,
+    then Miller-Rabin with bases 2, 7 and 61, which also calls 61 itself composite. Its layouts skip 61, so a
+    checkpoint made with any other test would not match vLLM's row counts (vocab 50: 250 and 324 rows, not 240)."""
+    if n < 2:
+        return False
+    for p in (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37):
+        if n % p == 0:
+            return n == p
+    d, r = n - 1, 0
+    while d % 2 == 0:
+        d //= 2
+        r += 1
+    for a in (2, 7, 61):
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(r - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+def engram_head_sizes(config: dict) -> list[list[int]]:
+    """Each Engram layer's hash-head sizes as vLLM 0.33's EngramLayout draws them: per layer, n-gram order and head,
+    the next prime above ``engram_vocab_size - 1`` not yet taken, across layers in order (deepseek_v41 engram.py)."""
+    seen: set[int] = set()
+    out = []
+    for _ in config["engram_layer_ids"]:
+        layer = []
+        for _ in range(config["engram_max_ngram_size"] - 1):
+            current = config["engram_vocab_size"] - 1
+            for _ in range(config["engram_n_heads"]):
+                current += 1
+                while not _is_prime(current) or current in seen:
+                    current += 1
+                seen.add(current)
+                layer.append(current)
+        out.append(layer)
+    return out
+
+
+def engram_config(config: dict | None = None) -> dict:
+    """The text config keys of a synthetic DeepSeek V4.1 Engram model: ``config`` (default ENGRAM) with
+    ``engram_num_embeddings`` the sums of each layer's head sizes (no padding rows, as in V4.1)."""
+    c = dict(ENGRAM if config is None else config)
+    c.setdefault("engram_compressed_vocab_size", 1000)
+    c.setdefault("engram_pad_token_id", 0)
+    c["engram_num_embeddings"] = [sum(h) for h in engram_head_sizes(c)]
+    return c
+
+
+def make_engram_checkpoint(directory: str, config: dict | None = None, files: int = 2, seed: int = 0,
+                           index: bool = True) -> tuple[list[str], dict]:
+    """Write a DeepSeek V4.1-style checkpoint whose Engram layers (``engram_config(config)``) each have
+    ``layers.L.engram.embed.weight`` [N_L, head_dim] F8_E4M3 and ``….scale`` [N_L, head_dim/32] F8_E8M0, beside other
+    tensors (per layer a norm and the Engram's own small projection; the token embedding), over ``files`` files
+    ``model-0000K-of-0000N.safetensors`` with, with ``index``, model.safetensors.index.json, and config.json (its
+    ``text_config``). One layer's table is drawn a million rows at a time (a checkpoint of many GiB is written in
+    bounded memory). Returns (the file paths, the config)."""
+    c = engram_config(config)
+    dim = c["engram_head_dim"]
+    rng = np.random.default_rng(seed)
+    small = 64
+    tensors: list = [("embed.weight", "BF16", (small, small), rng.integers(0, 1 << 15, (small, small), np.uint16))]
+    for layer, rows in zip(c["engram_layer_ids"], c["engram_num_embeddings"], strict=True):
+        tensors.append((f"layers.{layer}.attn_norm.weight", "F32", (small,), rng.standard_normal(small, np.float32)))
+        tensors.append((f"layers.{layer}.engram.embed.weight", "F8_E4M3", (rows, dim), ("codes", rows, dim, layer)))
+        tensors.append((f"layers.{layer}.engram.embed.scale", "F8_E8M0", (rows, dim // 32),
+                        ("scales", rows, dim // 32, layer)))
+        tensors.append((f"layers.{layer}.engram.value_proj.weight", "BF16", (small, dim),
+                        rng.integers(0, 1 << 15, (small, dim), np.uint16)))
+    os.makedirs(directory, exist_ok=True)
+    per_file = -(-len(tensors) // files)
+    paths, weight_map = [], {}
+    for k in range(files):
+        chunk = tensors[k * per_file:(k + 1) * per_file]
+        path = os.path.join(directory, f"model-{k + 1:05d}-of-{files:05d}.safetensors")
+        _write_chunked(path, [(n, d, s, _engram_data(a, seed)) for n, d, s, a in chunk])
+        weight_map.update({n: os.path.basename(path) for n, _, _, _ in chunk})
+        paths.append(path)
+    if index:
+        with open(os.path.join(directory, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    with open(os.path.join(directory, "config.json"), "w", encoding="utf-8") as f:
+        json.dump({"architectures": ["DeepseekV41ForCausalLM"], "text_config": c}, f, indent=2)
+    return paths, c
+
+
+CHUNK_ROWS = 1 << 20
+
+
+def _engram_data(a, seed: int):
+    """A tensor's bytes: an array's, or (codes|scales, rows, width, layer) drawn a chunk of rows at a time."""
+    if not isinstance(a, tuple):
+        return np.ascontiguousarray(a).reshape(-1).view(np.uint8).data
+    kind, rows, width, layer = a
+
+    def chunks():
+        for i, lo in enumerate(range(0, rows, CHUNK_ROWS)):
+            n = min(CHUNK_ROWS, rows - lo)
+            rng = np.random.default_rng([seed, layer, kind == "scales", i])
+            # e4m3 codes without the NaNs; ue8m0 exponents 120..134 (scales 2**-7 .. 2**7, never the NaN 0xFF)
+            block = _fp8_codes(rng, (n, width)) if kind == "codes" else rng.integers(120, 135, (n, width), np.uint8)
+            yield memoryview(block).cast("B")
+
+    return chunks()
+
+
+def _write_chunked(path: str, tensors: list) -> None:
+    """A safetensors file whose tensors' bytes are a buffer or an iterator of buffers (of 1-byte dtypes: their size
+    is their shape's), written in order and synced (clean pages, droppable from the page cache)."""
+    import struct
+
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, dtype, shape, data in tensors:
+        n = memoryview(data).nbytes if not hasattr(data, "__next__") else int(np.prod(shape))
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for _, _, _, data in tensors:
+            for part in (data if hasattr(data, "__next__") else (data,)):
+                f.write(part)
+        f.flush()
+        os.fsync(f.fileno())

@@ -1,7 +1,7 @@
 """``pled verify``: is what sits in memory exactly what is on disk? Shard by shard, byte for byte.
 
-Reads each source file (dropping its pages behind it, as staging does) and compares it with the
-region the daemon serves; also re-hashes the region and compares it with the digest recorded
+Reads each source file (dropping behind it the pages it brought into the page cache, as staging does)
+and compares it with the region the daemon serves; also re-hashes the region and compares it with the digest recorded
 when it was staged. Exit 0 when everything matches, 1 on any difference, 3 when pled is not running.
 
 Run under journald (by a unit or a timer: its stderr is the journal), a table that differs is also a journal entry
@@ -21,7 +21,8 @@ from pled.daemon.health import journal, logs
 from pled.shared import protocol
 from pled.shared.boundary import BoundaryError, open_regular, say
 from pled.shared.digests import HEX_LENGTH, hash_bytes
-from pled.shared.errors import EX_NOT_RUNNING
+from pled.shared.dropbehind import DropBehind
+from pled.shared.errors import EX_NOPERM, EX_NOT_RUNNING
 from pled.shared.sizes import gib, rate
 
 CHUNK = 16 * 1024 * 1024
@@ -85,10 +86,16 @@ def verify_shard(table: client.Table, index: int, out=sys.stdout, pieces: list |
                 say(f"{prefix} DIFFERS: its header is not the one pled staged (its tensors renamed, moved or "
                     f"resized): `pled reload` stages the file as it is now", file=out)
                 return False
-            for p in pieces:
-                if not _compare(fd, p, buf, prefix if p.name == name else f"{prefix} tensor {p.name}", out):
-                    return False
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            # Of a checkpoint file, only what this reading brought into the page cache leaves it (dropbehind.py)
+            behind = DropBehind(fd, [(p.begin, p.begin + p.nbytes) for p in pieces], shard.path,
+                                everything=table.manifest.form == "files")
+            try:
+                for p in sorted(pieces, key=lambda p: p.begin):
+                    if not _compare(fd, p, buf, prefix if p.name == name else f"{prefix} tensor {p.name}", out,
+                                    behind):
+                        return False
+            finally:
+                behind.close()
         finally:
             os.close(fd)
         seconds = time.perf_counter() - start
@@ -110,7 +117,7 @@ def _same_header(fd: int, shard) -> bool:
     return length < shard.size and hashlib.sha256(os.pread(fd, length, 8)).hexdigest() == shard.fingerprint
 
 
-def _compare(fd: int, piece, buf: memoryview, prefix: str, out) -> bool:
+def _compare(fd: int, piece, buf: memoryview, prefix: str, out, behind: DropBehind) -> bool:
     """The file's bytes of ``piece`` against the region's, chunk by chunk, the file's pages dropped behind; the
     first difference named by its byte (counted from the piece's start) and both values."""
     with buf[piece.offset : piece.offset + piece.nbytes] as region_bytes:
@@ -125,14 +132,14 @@ def _compare(fd: int, piece, buf: memoryview, prefix: str, out) -> bool:
                 say(f"{prefix} DIFFERS at byte {at}: the region has 0x{region_bytes[at]:02x}, "
                     f"the file 0x{data[at - done]:02x}", file=out)
                 return False
-            os.posix_fadvise(fd, piece.begin + done, len(data), os.POSIX_FADV_DONTNEED)
+            behind.read(piece.begin + done, piece.begin + done + len(data))
             done += len(data)
     return True
 
 
 def verify(socket: str, table: str | None = None, out=sys.stdout) -> int:
     """Every table (or ``table``), each to its end whatever another one gave: 0 all identical, 1 any difference or
-    a table that could not be verified (each named on stderr), 3 pled not running."""
+    a table that could not be verified (each named on stderr), 3 pled not running, 77 this user may not ask."""
     try:
         names: list = [table]
         if not table:
@@ -147,7 +154,7 @@ def verify(socket: str, table: str | None = None, out=sys.stdout) -> int:
         for name in names:
             try:
                 ok = _verify_table(socket, name, out) and ok
-            except client.DaemonUnavailable:
+            except (client.DaemonUnavailable, client.PermissionDenied):
                 raise
             except (client.ClientError, OSError) as err:  # this table: not ready, gone, a file it cannot read
                 say(_why(err), file=sys.stderr)
@@ -156,6 +163,9 @@ def verify(socket: str, table: str | None = None, out=sys.stdout) -> int:
     except client.DaemonUnavailable as err:
         say(f"pled verify: {err}", file=sys.stderr)
         return EX_NOT_RUNNING
+    except client.PermissionDenied as err:  # not a difference: this user may not ask
+        say(f"pled verify: {err}", file=sys.stderr)
+        return EX_NOPERM
     except client.ClientError as err:
         say(f"pled verify: {err}", file=sys.stderr)
         return 1

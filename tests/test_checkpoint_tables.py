@@ -1,6 +1,6 @@
 """A `checkpoint` table (pled/daemon/sources/checkpoint.py, pled/shared/arrays.py): a model checkpoint's PLE tables
 staged as arrays, one per table and pinned parameter, rows in shard order, on 2 MiB boundaries, with every other
-promise of a table kept (exact preflight bytes, page cache dropped, seals, digests, verify, Status, reload, the fd
+promise of a table kept (exact preflight bytes, seals, digests, verify, Status, reload, the fd
 store).
 
 The bytes are checked against a reader of the safetensors format written here, independent of pled's."""
@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import harness
+from hfcache import in_layout
 from pled.daemon.regions import staging
 from pled.daemon.sources.checkpoint import open_checkpoint
 from pled.daemon.sources.safetensors_file import write
@@ -25,11 +26,18 @@ from pled.generator import make_checkpoint, make_sidecar, shard_rows
 from pled.shared import region
 from pled.shared.digests import hash_bytes
 from pled.shared.errors import SidecarError
-from pled.shared.pagecache import cached_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB2 = 2 * 1024 * 1024
 PREFIX = "model.language_model.layers.{}.ple.ple_embedding.ngram_embedding"
+# Each checkpoint test that reads a directory runs over it as it was written ("plain") and as a Hugging Face hub cache
+# snapshot: symbolic links into ../../blobs/<hash> (tests/hfcache.py; issue 48 class 5).
+LAYOUTS = ["plain", "hf-snapshot"]
+
+
+@pytest.fixture(params=LAYOUTS)
+def layout(request):
+    return request.param
 
 
 def raw_tensors(path: Path) -> dict[str, bytes]:
@@ -49,12 +57,13 @@ def checkpoint_tensors(d: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp8", "nvfp4"])
-def test_each_array_is_its_shards_bytes_in_row_order_on_a_2mib_boundary(tmp_path, dtype):
+def test_each_array_is_its_shards_bytes_in_row_order_on_a_2mib_boundary(tmp_path, dtype, layout):
     rows = {0: 961, 3: 1290}  # each layer its own rows; 32 shards: the last of layer 0 empty, uneven tails
     assert 0 in shard_rows(961, 32) and len(set(shard_rows(1290, 32))) > 1
-    make_checkpoint(str(tmp_path), dtype, rows, width=64, parts=32, files=3)
-    tensors = checkpoint_tensors(tmp_path)
-    with staging.stage("t", open_checkpoint(str(tmp_path))) as r:
+    make_checkpoint(str(tmp_path / "m"), dtype, rows, width=64, parts=32, files=3)
+    m_dir = in_layout(layout, tmp_path / "m")
+    tensors = checkpoint_tensors(m_dir)
+    with staging.stage("t", open_checkpoint(str(m_dir))) as r:
         m = r.manifest
         data = os.pread(r.fd, m.region_bytes, 0)
     params = ["weight", "weight_scale"] if dtype == "nvfp4" else ["weight"]
@@ -76,12 +85,16 @@ def test_each_array_is_its_shards_bytes_in_row_order_on_a_2mib_boundary(tmp_path
     assert "weight_scale_2" not in {a.param for a in m.arrays}  # the small tensors stay with vLLM's loader
 
 
-def test_the_region_reads_back_alone_and_a_client_maps_the_checkpoint_tensors(tmp_path):
+def test_the_region_reads_back_alone_and_a_client_maps_the_checkpoint_tensors(tmp_path, layout):
     from pled.client.mapped_table import Table
 
-    make_checkpoint(str(tmp_path), "nvfp4", {0: 500, 1: 700}, width=64, parts=8, files=2, index=False)
-    tensors = checkpoint_tensors(tmp_path)
-    with staging.stage("t", open_checkpoint(str(tmp_path))) as r:
+    make_checkpoint(str(tmp_path / "m"), "nvfp4", {0: 500, 1: 700}, width=64, parts=8, files=2, index=False)
+    m_dir = in_layout(layout, tmp_path / "m")
+    tensors = checkpoint_tensors(m_dir)
+    with staging.stage("t", open_checkpoint(str(m_dir))) as r:
+        # each file known by its real path (a snapshot's link resolved to its blob), in the files' name order
+        assert [s.path for s in r.manifest.shards] == [os.path.realpath(m_dir / f"model-0000{k}-of-00002.safetensors")
+                                                      for k in (1, 2)]
         assert region.read_manifest(r.fd) == r.manifest and region.is_sealed(r.fd)
         t = Table(os.dup(r.fd), 1, populate=True)
         for i in range(len(t.shards)):
@@ -147,38 +160,31 @@ def test_a_checkpoint_pled_cannot_serve_is_refused_naming_the_file_and_what_to_d
         assert "which model.safetensors.index.json says it holds" in msg
 
 
-def test_staging_drops_the_checkpoints_page_cache(tmp_path):
-    files = make_checkpoint(str(tmp_path), "bf16", {0: 20_000, 1: 20_123}, width=64, parts=16, files=2)
-    harness.drop_page_cache(files)
-    for f in files:  # read it in first, as a checkpoint that vLLM just read would be
-        Path(f).read_bytes()
-    assert all(cached_bytes(f) > 2_000_000 for f in files)
-    with staging.stage("t", open_checkpoint(str(tmp_path))):
-        assert all(cached_bytes(f) <= MiB2 for f in files), [cached_bytes(f) for f in files]
-
-
-def test_a_stored_checkpoint_region_is_adopted_only_while_its_files_are_unchanged(tmp_path, caplog):
+def test_a_stored_checkpoint_region_is_adopted_only_while_its_files_are_unchanged(tmp_path, caplog, layout):
     import logging
 
-    files = make_checkpoint(str(tmp_path), "fp8", {0: 300, 1: 400}, width=32, parts=4, files=2)
-    planned = lambda: {"t": region.plan("t", open_checkpoint(str(tmp_path)))}  # noqa: E731
-    r = staging.stage("t", open_checkpoint(str(tmp_path)))
+    make_checkpoint(str(tmp_path / "m"), "fp8", {0: 300, 1: 400}, width=32, parts=4, files=2)
+    m_dir = in_layout(layout, tmp_path / "m")
+    files = sorted(str(f) for f in m_dir.glob("*.safetensors"))
+    planned = lambda: {"t": region.plan("t", open_checkpoint(str(m_dir)))}  # noqa: E731
+    r = staging.stage("t", open_checkpoint(str(m_dir)))
     caplog.set_level(logging.INFO, logger="pled.daemon.systemd.fdstore")
     out = fdstore.adopt_stored([StoredFd(os.dup(r.fd), "pled.2.t")], planned(), fdstore.FdStore(Notifier({}), {}))
     assert out.adopted["t"][0].manifest == r.manifest
     out.adopted["t"][0].close()
-    os.utime(files[1], ns=(0, 0))
+    os.utime(files[1], ns=(0, 0))  # through the snapshot's link: its blob
     out = fdstore.adopt_stored([StoredFd(os.dup(r.fd), "pled.2.t")], planned(), fdstore.FdStore(Notifier({}), {}))
-    assert "t" not in out.adopted and "model-00002-of-00002.safetensors: modified since" in caplog.text
+    assert "t" not in out.adopted and f"{os.path.basename(os.path.realpath(files[1]))}: modified since" in caplog.text
     r.close()
 
 
-def test_pled_inspect_lists_a_checkpoints_ple_tables(tmp_path):
+def test_pled_inspect_lists_a_checkpoints_ple_tables(tmp_path, layout):
     make_checkpoint(str(tmp_path / "m"), "nvfp4", {0: 100, 2: 130}, width=32, parts=4, files=2)
-    out = harness.run_pled("inspect", tmp_path / "m")
+    m_dir = in_layout(layout, tmp_path / "m")
+    out = harness.run_pled("inspect", m_dir)
     assert out.returncode == 0, out.stderr
     assert f"{PREFIX.format(2)}.weight_scale: F8_E4M3 130 x 2, 4 shards" in out.stdout
-    doc = json.loads(harness.run_pled("inspect", "--json", tmp_path / "m").stdout)
+    doc = json.loads(harness.run_pled("inspect", "--json", m_dir).stdout)
     assert doc["form"] == "arrays" and [a["rows"] for a in doc["arrays"]] == [100, 100, 130, 130]
     bare = harness.run_pled("inspect", tmp_path / "nowhere")
     assert bare.returncode == 78
@@ -197,9 +203,10 @@ def flip(path: str, name: str) -> int:
     return t.nbytes // 3
 
 
-def test_pled_serves_verifies_and_reloads_a_checkpoint_table(tmp_path, daemon):
+def test_pled_serves_verifies_and_reloads_a_checkpoint_table(tmp_path, daemon, layout):
     make_checkpoint(str(tmp_path / "m"), "nvfp4", {0: 3000, 1: 3100}, width=64, parts=16, files=3)
-    pled = daemon({"qwen": {"checkpoint": tmp_path / "m"}})
+    m_dir = in_layout(layout, tmp_path / "m")
+    pled = daemon({"qwen": {"checkpoint": m_dir}})
     st = json.loads(harness.run_pled("status", "--json", "--socket", pled.socket).stdout)
     (t,) = st["tables"]
     assert t["form"] == "arrays" and t["state"] == "ready" and t["shards"] == 3 and t["sealed"]
@@ -210,8 +217,8 @@ def test_pled_serves_verifies_and_reloads_a_checkpoint_table(tmp_path, daemon):
     ok = harness.run_pled("verify", "--socket", pled.socket)
     assert ok.returncode == 0 and ok.stdout.count("identical (") == 3, ok.stdout
     name = f"{PREFIX.format(1)}.shard_9.weight"
-    index = json.loads((tmp_path / "m" / "model.safetensors.index.json").read_text())["weight_map"]
-    at = flip(str(tmp_path / "m" / index[name]), name)
+    index = json.loads((m_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    at = flip(str(m_dir / index[name]), name)  # through the snapshot's link: its blob, in place
     bad = harness.run_pled("verify", "--socket", pled.socket)
     assert bad.returncode == 1 and f"tensor {name} DIFFERS at byte {at}" in bad.stdout, bad.stdout
     assert pled.reload() == "reload done"
@@ -370,9 +377,11 @@ def test_a_manifest_works_out_its_pieces_once(tmp_path):
 
 
 @pytest.mark.daemon
-def test_verify_finds_a_checkpoint_files_header_rewritten_at_the_same_size_and_mtime(tmp_path, daemon):
-    (path,) = make_checkpoint(str(tmp_path / "m"), "fp8", {0: 400, 1: 400}, width=32, parts=8, files=1)
-    pled = daemon({"ple": {"checkpoint": tmp_path / "m"}})
+def test_verify_finds_a_checkpoint_files_header_rewritten_at_the_same_size_and_mtime(tmp_path, daemon, layout):
+    make_checkpoint(str(tmp_path / "m"), "fp8", {0: 400, 1: 400}, width=32, parts=8, files=1)
+    m_dir = in_layout(layout, tmp_path / "m")
+    (path,) = m_dir.glob("*.safetensors")
+    pled = daemon({"ple": {"checkpoint": m_dir}})
     st = os.stat(path)
     data = Path(path).read_bytes()
     a, b = (f"{PREFIX.format(1)}.shard_{i}.weight".encode() for i in (4, 5))

@@ -27,7 +27,7 @@ from dataclasses import replace
 import pytest
 
 from fakeserver import FakeServer
-from pled.client import connection, held_files, mapped_table
+from pled.client import connection, held_files, tensor_views
 from pled.client.connection import ClientError, DaemonUnavailable, ProtocolError
 from pled.client.library import attach
 from pled.shared import protocol, region
@@ -214,7 +214,7 @@ def test_the_dtypes_a_region_may_hold_are_those_pled_stages():
     from pled.daemon.sources.safetensors_file import DTYPE_BITS
 
     assert DTYPE_BITS is region.DTYPE_BITS  # one table, for the daemon's reader and the client's check
-    assert set(mapped_table._TORCH_DTYPES) <= set(region.DTYPE_BITS)
+    assert set(tensor_views._TORCH_DTYPES) <= set(region.DTYPE_BITS)
 
 
 @pytest.mark.parametrize("status", [{"tables": 5}, {"tables": [{"table": 1}]}, {"tables": ["t"]}, []])

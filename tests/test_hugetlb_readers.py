@@ -148,3 +148,26 @@ def test_a_bad_policy_is_the_kernels_error():
         numa.set_mempolicy(numa.MPOL_BIND, [1000])  # no such node
     assert err.value.errno == errno.EINVAL
     assert numa.get_mempolicy() == (numa.MPOL_DEFAULT, [])
+
+
+@pytest.mark.parametrize("tightest", ["/kubepods/pod1", "/kubepods", "/kubepods/pod1/pled"])
+def test_the_binding_hugetlb_level_is_the_tightest_on_the_path_not_ours_nor_the_first(tmp_path, tightest):
+    """Issue 48 class 9: a limit on a parent cgroup tighter than pled's own binds (and one tighter below it does not
+    hide it); each level's headroom is the lesser of its fault and its reservation limits. Three levels limited, the
+    tightest moved from the middle to the top to pled's own: the binding level and the room follow it."""
+    headroom = {"/kubepods/pod1/pled": 12, "/kubepods/pod1": 9, "/kubepods": 10}
+    headroom[tightest] = 3
+    levels = {"/": {"hugetlb.2MB.limit_in_bytes": UNLIMITED, "hugetlb.2MB.usage_in_bytes": 0}}
+    for path, room in headroom.items():  # 5 pages used at each level; the reservation limit binds at pod1
+        levels[path] = {"hugetlb.2MB.limit_in_bytes": (room + 5 + (4 if path == "/kubepods/pod1" else 0)) * MiB2,
+                        "hugetlb.2MB.usage_in_bytes": 5 * MiB2,
+                        "hugetlb.2MB.rsvd.limit_in_bytes": (room + 5) * MiB2 if path == "/kubepods/pod1" else UNLIMITED,
+                        "hugetlb.2MB.rsvd.usage_in_bytes": 5 * MiB2}
+    pools(tmp_path, **{"hugepages-2048kB": (64, 64, 0, 0, 0)})
+    v1_tree(tmp_path, "/kubepods/pod1/pled", levels)
+    cg = hugetlb.read_cgroup(MiB2, str(tmp_path))
+    assert [(lv.path, lv.headroom // MiB2) for lv in cg.limited] == [(p, headroom[p]) for p in
+                                                                      ("/kubepods/pod1/pled", "/kubepods/pod1",
+                                                                       "/kubepods")]
+    assert cg.binding.path == tightest and cg.binding.headroom == 3 * MiB2
+    assert hugetlb.pool(MiB2, str(tmp_path)).available == 3 * MiB2  # 64 pages free in the pool: the cgroup decides

@@ -43,6 +43,7 @@ IDS = {
     "client_refused": "7a04562bbbf04e8e99f5386ae50a178a",
     "client_dropped": "751353ac3de341bbaa8ddb0bc64043e4",
     "verify_differs": "2b056be33c5e416b9e9571a1ccb313bc",
+    "table_modified": "b14c68e002f64778ad9b81956b28e8fe",
 }
 
 

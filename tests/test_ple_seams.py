@@ -83,19 +83,10 @@ def test_a_seam_that_does_not_fit_fails_the_import_where_pled_serves_arrays(tmp_
 
 
 class FakeRuntime:
-    """FAKED (no GPU here): pled.client.host_register's CUDA calls, recorded."""
+    """FAKED (no GPU here): the CUDA registration calls pled.client.gpu makes, recorded."""
 
-    def __init__(self, read_only: bool = True) -> None:
-        self.calls, self.unregistered, self.read_only = [], [], read_only
-
-    def device(self):
-        return 0
-
-    def device_name(self, device):
-        return "FakeGPU"
-
-    def read_only_supported(self, device):
-        return self.read_only
+    def __init__(self) -> None:
+        self.calls, self.unregistered = [], []
 
     def register(self, ptr, nbytes, flags):
         self.calls.append((ptr, nbytes, flags))
@@ -112,31 +103,26 @@ class FakeRuntime:
 def test_a_registration_is_page_rounded_chunked_at_64_gib_shared_and_released_with_its_last_owner():
     import gc
 
-    from pled.client import host_register
+    from pled.client.gpu import registry
 
     fake = FakeRuntime()
-    previous = host_register.use(fake)
-    try:
-        class Owner:  # what a tensor's storage keeps alive: the numpy array over the mapping
-            pass
 
-        start, nbytes = (1 << 40) + 100, 130 << 30  # a slice that starts and ends inside a page
-        first, second = Owner(), Owner()
-        key = host_register.register(first, "mapping", start, nbytes, "a slice")
-        assert key == host_register.register(second, "mapping", start, nbytes, "the same slice again")
-        page = host_register.PAGE
-        lo, hi = start - start % page, -(-(start + nbytes) // page) * page
-        assert [(p, n) for p, n, _ in fake.calls] == [(lo, 64 << 30), (lo + (64 << 30), 64 << 30),
-                                                      (lo + (128 << 30), hi - lo - (128 << 30))]
-        assert {flags for _, _, flags in fake.calls} == {0x02 | 0x08}  # Mapped | ReadOnly, once for both owners
-        del first
-        gc.collect()
-        assert fake.unregistered == []  # the other owner still holds the pages
-        del second
-        gc.collect()
-        assert fake.unregistered == [p for p, _, _ in fake.calls]
-        with pytest.raises(host_register.RegistrationError, match="does not support read-only host registration"):
-            fake.read_only = False
-            host_register.register(Owner(), "mapping", start, nbytes, "a slice")
-    finally:
-        host_register.use(previous)
+    class Owner:  # what a tensor's storage keeps alive: the numpy array over the mapping
+        pass
+
+    start, nbytes = (1 << 40) + 100, 130 << 30  # a slice that starts and ends inside a page
+    first, second = Owner(), Owner()
+    key = registry.register(fake, first, "mapping", start, nbytes, "a slice")
+    assert key == registry.register(fake, second, "mapping", start, nbytes, "the same slice again")
+    page = registry.PAGE
+    lo, hi = start - start % page, -(-(start + nbytes) // page) * page
+    assert [(p, n) for p, n, _ in fake.calls] == [(lo, 64 << 30), (lo + (64 << 30), 64 << 30),
+                                                  (lo + (128 << 30), hi - lo - (128 << 30))]
+    assert {flags for _, _, flags in fake.calls} == {0x02 | 0x08}  # Mapped | ReadOnly, once for both owners
+    del first
+    gc.collect()
+    assert fake.unregistered == []  # the other owner still holds the pages
+    del second
+    gc.collect()
+    assert fake.unregistered == [p for p, _, _ in fake.calls]
+    assert key not in registry.registrations.held

@@ -77,7 +77,7 @@ MUTATIONS = [
     Mutation("pled status exits 0 with a modified table", "pled/cli.py",
              '                  and not t.get("modified") for t in st["tables"])',
              '                  for t in st["tables"])', (FOUND,)),
-    Mutation("the writers' pids left out of the crit line", "pled/daemon/lifecycle.py",
+    Mutation("the writers' pids left out of the crit line", "pled/daemon/scheduled_verify.py",
              "if t.name in c.writes and c.attached.get(t.name) == t.generation", "if False", (FOUND,)),
 ]
 

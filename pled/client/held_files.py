@@ -20,6 +20,10 @@ import os
 import sys
 import threading
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pled.shared.region import ShardEntry
 
 log = logging.getLogger("vllm.pled")  # under vLLM's own logger, so its handlers print our lines
 HINT = "check `systemctl status pled` and `pled status`"
@@ -137,8 +141,8 @@ def _answer_timeout(extra: dict) -> float:
 
 @dataclass
 class Held:
-    table: object  # pled.client.Table
-    shard: object  # pled.shared.region.ShardEntry
+    table: object  # pled.client.Table (not imported here: held_files is imported at vLLM's start, torch is not)
+    shard: ShardEntry
     partial: bool = False  # a checkpoint file of an arrays table: pled holds its PLE tensors, not the rest
 
 
@@ -169,9 +173,11 @@ class State:
         if held is None:
             return None
         st = os.stat(real)
-        if (st.st_size, st.st_mtime_ns) != (held.shard.size, held.shard.mtime_ns):
-            what = (f"size {st.st_size}, was {held.shard.size}" if st.st_size != held.shard.size
-                    else "modified, at the same size")
+        shard = held.shard
+        if (st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino) != (shard.size, shard.mtime_ns, shard.dev, shard.ino):
+            what = (f"size {st.st_size}, was {shard.size}" if st.st_size != shard.size
+                    else "modified, at the same size" if st.st_mtime_ns != shard.mtime_ns
+                    else "replaced by another file (inode) of the same size and mtime")
             self.refuse(f"{real} changed since pled staged it into table {held.table.name} "
                         f"({what}); restart pled to stage it anew, then vLLM")
             return None

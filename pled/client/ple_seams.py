@@ -7,15 +7,16 @@ pled serving the checkpoint's PLE tables as arrays (a ``checkpoint`` table), thr
 - ``allocate_embedding_weight(self, num_embeddings, embedding_dim, dtype)`` of ``Qwen4ExpPLEPinnedHostEmbedding``:
   where pled holds the array for ``self.prefix`` (its parameter told by dtype and width) with
   ``self.num_embeddings_padded`` rows, a tensor whose storage starts at this rank's rows
-  ``[org_vocab_start_index, org_vocab_end_index)``, registered with the GPU (pled.client.host_register) and checked
-  pinned before vLLM builds its UVA view; else vLLM's own allocation.
+  ``[org_vocab_start_index, org_vocab_end_index)``, made readable by the GPU through the route pled.client.gpu
+  chooses for the table and device (``gpu.device_view``) before vLLM builds its UVA view; else vLLM's own allocation.
 - ``PLEVocabParallelEmbedding.weight_loader`` (never ``VocabParallelEmbedding``'s, which every embedding uses): where
   the destination lies in pled's mapping (by address: vLLM's parameter wrappers drop attributes), upstream's checks,
   then a comparison instead of the copy; a difference or a cast is refused naming the tensor; nothing is written.
   The checkpoint's shard tensors come from pled too (the loader seams serve a file's tensors), so the comparison is
   an identity check and no PLE byte is read from disk.
-- The module's own ``get_accelerator_view_from_cpu_tensor``: refuses a pled tensor that is not pinned, so the UVA
-  helper can never make its silent private copy of one.
+- The module's own ``get_accelerator_view_from_cpu_tensor`` (``gpu.guard_uva``): for a pled tensor, the view its
+  route allows (pinned: the helper's own zero-copy view; pageable: a device tensor at the host address), and never
+  the helper's silent private copy (a pled tensor that is not pinned is refused).
 
 Each seam is found by attribute and signature, never by version string. One that does not fit, while pled serves
 arrays to this process, fails the import of the model's module with the reason (or, with ``fallback = "disk"``, warns
@@ -25,7 +26,6 @@ vLLM's original. No torch or vLLM import until vLLM imports these modules.
 from __future__ import annotations
 
 import inspect
-import logging
 
 from pled.client import held_files
 from pled.client.held_files import PledUnavailable
@@ -34,6 +34,7 @@ PINNED = "vllm.models.qwen4_exp.common.ngram_embedding"
 PLE = "vllm.models.qwen4_exp.common.ple"
 PINNED_CLASS = "Qwen4ExpPLEPinnedHostEmbedding"
 PLE_CLASS = "PLEVocabParallelEmbedding"
+NVFP4_CLASS = "Qwen4ExpPLENvFp4EmbeddingMethod"
 UVA = "get_accelerator_view_from_cpu_tensor"
 ALLOCATE_PARAMS = ("self", "num_embeddings", "embedding_dim", "dtype")
 LOADER_PARAMS = ("self", "param", "loaded_weight", "checkpoint_start")
@@ -81,7 +82,30 @@ def patch_pinned(module) -> None:
     if not callable(uva):
         return _unfit(module, f"it has no {UVA}")
     setattr(cls, "allocate_embedding_weight", _wrap_allocate(original))  # noqa: B010 (cls is found by name)
-    setattr(module, UVA, _guard_uva(uva))
+    from pled.client import gpu
+
+    setattr(module, UVA, gpu.guard_uva(uva))
+    nvfp4 = getattr(module, NVFP4_CLASS, None)
+    create = getattr(nvfp4, "create_weights", None)
+    if callable(create) and not getattr(create, "__pled__", False):
+        setattr(nvfp4, "create_weights", _wrap_create(module, create))  # noqa: B010 (found by name)
+
+
+def _wrap_create(module, original):
+    """NVFP4's create_weights takes the UVA view of its block scales only where they are pinned (C:447): on the
+    pageable route nothing is registered, so for pled's scales the view is taken here, through the guarded helper
+    (a device tensor at the host address), instead of being left missing for the lookup to fail on."""
+    def create_weights(self, layer, *args, **kwargs):
+        original(self, layer, *args, **kwargs)
+        scale = getattr(layer, "weight_scale", None)
+        st = held_files.current()
+        if (scale is not None and not hasattr(self, "_uva_weight_scale") and st is not None
+                and st.holding(scale.data_ptr()) is not None):
+            self._uva_weight_scale = getattr(module, UVA)(scale)
+
+    create_weights.__wrapped__ = original
+    create_weights.__pled__ = True
+    return create_weights
 
 
 def patch_ple(module) -> None:
@@ -154,52 +178,18 @@ def _wrap_allocate(original):
 
 
 def _pinned_view(st, original, layer, table, array, lo: int, hi: int, args):
-    """Rows ``[lo, hi)`` of ``array`` as a tensor whose storage starts at row ``lo``, registered and pinned."""
-    import warnings
+    """Rows ``[lo, hi)`` of ``array`` as a tensor whose storage starts at row ``lo``, readable by the GPU through
+    the route pled.client.gpu chooses for the table and device; vLLM's own allocation where none works and the
+    fallback allows it."""
+    from pled.client import gpu
 
-    import numpy as np
-    import torch
-
-    from pled.client import host_register
-    from pled.client.mapped_table import torch_dtype
-
-    row = array.row_bytes
-    owner = np.frombuffer(table.buffer, dtype=np.uint8, count=(hi - lo) * row, offset=array.offset + lo * row)
-    with warnings.catch_warnings():  # the buffer is read-only on purpose: the mapping is PROT_READ
-        warnings.simplefilter("ignore", UserWarning)
-        tensor = torch.from_numpy(owner).view(torch_dtype(array.dtype)).reshape(hi - lo, array.shape[1])
     what = f"{array.prefix}.{array.param} rows {lo}..{hi} (table {table.name})"
     try:
-        host_register.register(owner, table.buffer, tensor.data_ptr(), (hi - lo) * row, what)
-        if not tensor.is_pinned():
-            raise host_register.RegistrationError(f"{what} is not pinned after cudaHostRegister")
-    except host_register.RegistrationError as err:
-        del tensor, owner  # the finalizer unregisters what was registered
-        st.refuse(str(err), once="register", instead="vLLM's own PLE path is used, a private pinned copy per rank")
+        return gpu.device_view(table, array, lo, hi, what=what)
+    except gpu.NoRoute as err:
+        st.refuse(str(err).removeprefix("pled: "), once="register",
+                  instead="vLLM's own PLE path is used, a private pinned copy per rank")
         return original(layer, *args)
-    held_files.emit(logging.INFO, "pled: %s: %s of pled's sealed region, pinned for the GPU (read-only), no copy",
-                    what, _size(tensor))
-    return tensor
-
-
-def _size(tensor) -> str:
-    from pled.shared.sizes import gib
-
-    return gib(tensor.numel() * tensor.element_size())
-
-
-def _guard_uva(original):
-    def get_accelerator_view_from_cpu_tensor(tensor, *args, **kwargs):
-        st = held_files.current()
-        if st is not None and st.holding(tensor.data_ptr()) is not None and not tensor.is_pinned():
-            raise PledUnavailable(f"pled: refusing vLLM's UVA view of a pled table's {tuple(tensor.shape)} "
-                                  f"{tensor.dtype} slice that is not pinned: the helper would make a private pinned "
-                                  "copy of it (was its registration released?)")
-        return original(tensor, *args, **kwargs)
-
-    get_accelerator_view_from_cpu_tensor.__wrapped__ = original
-    get_accelerator_view_from_cpu_tensor.__pled__ = True
-    return get_accelerator_view_from_cpu_tensor
 
 
 # -- the loader --------------------------------------------------------------------------------------------------

@@ -1,33 +1,6 @@
 """pled.toml: read with tomllib, validated by pydantic, every error naming the key and the file.
 
-    socket = "/run/pled/pled.sock"
-    huge_pages = "auto"            # auto | prefer-hugetlb | hugetlb | off (also per table)
-    huge_page_size = "2M"          # optional, "2M" | "1G": hugetlb's page size (default: the largest with room)
-    numa = "interleave"            # interleave | local | [0, 1]: where the pages go (default: interleave over all)
-    headroom_margin = "1GiB"       # kept free beyond the tables themselves
-    allow_uids = [1000]            # besides root, pled's own user and pled's own group
-    allow_groups = ["vllm"]        # group names or gids
-    staging_bandwidth = "500MB/s"  # optional: leave disk bandwidth to vLLM
-    fdstore_max = 64               # the unit's FileDescriptorStoreMax=, used where systemd < 254 does not pass it
-    metrics_file = "/var/lib/prometheus/node-exporter/pled.prom"  # optional: metrics for the textfile collector
-    metrics_interval = 15          # seconds: the metrics file is written at least this often
-    verify_cpu_share = 0.1         # the scheduled verify of writable tables: at most this share of one core
-    verify_bandwidth = "1GB/s"     # and at most this many bytes a second of memory read
-
-    [[table]]
-    name = "ples_int4"
-    path = "/srv/models/gemma/ples_int4"          # a sidecar directory
-    [[table]]
-    name = "checkpoint"
-    path = "/srv/models/gemma/model-*.safetensors" # or a glob of files
-    [[table]]
-    name = "qwen4-ple"
-    checkpoint = "/srv/models/qwen4"                # or a checkpoint's PLE tables, as arrays for vLLM 0.33
-    gpu_access = "writable"        # opt-in: GPUs without read-only registration (docs/operations.md)
-    writers = ["vllm"]             # the users (names or uids) who get a read-write fd; only with writable
-    gpu_routes = ["read-only", "pageable", "writable"]  # the order a client tries its GPU routes in
-    verify_interval = 60           # seconds between two verifies of a writable table's bytes
-
+Every key, with its default and a comment: config/pled.toml (installed as /usr/share/doc/pled/examples/pled.toml).
 Relative table paths, and a relative metrics_file, are taken relative to the directory of the config file.
 """
 from __future__ import annotations
@@ -50,8 +23,10 @@ from pydantic import (
     model_validator,
 )
 
+from pled.daemon.config_errors import describe as _describe
 from pled.shared.boundary import BoundaryError, clip
 from pled.shared.config_file import (  # noqa: F401 (resolve_path)
+    DOCS,
     EXAMPLE_CONFIG,
     MAX_DEPTH,
     check_socket_path,
@@ -121,6 +96,9 @@ class TableConfig(BaseModel):
     writers: tuple[StrictInt | str, ...] = ()
     gpu_routes: tuple[GpuRoute, ...] = GPU_ROUTES  # type: ignore[assignment]
     verify_interval: float | None = None  # seconds; None: DEFAULT_VERIFY_INTERVAL for a writable table
+    # The writers' uids, resolved once when the config is loaded (start, reload): never through NSS at an Attach,
+    # where a removed or renamed user would fail every Attach or hand the read-write fd to another uid.
+    _writer_uids: frozenset[int] = PrivateAttr(default=frozenset())
 
     _page_size = field_validator("huge_page_size")(classmethod(lambda cls, v: _check_page_size(v)))
     _numa = field_validator("numa", mode="before")(classmethod(lambda cls, v: _check_numa(v)))
@@ -163,10 +141,15 @@ class TableConfig(BaseModel):
             for key, given in (("writers", self.writers), ("verify_interval", self.verify_interval is not None)):
                 if given:
                     raise ValueError(f"{key} is only for a table with gpu_access = \"writable\"; add that (read "
-                                     f"docs/operations.md, \"The writable route\", first) or remove {key}")
+                                     f"{DOCS}/operations.md, \"The writable route\", first) or remove {key}")
         elif not self.writers:
             raise ValueError("gpu_access = \"writable\" needs writers = [...], the users (names or uids) who may "
                              "write the table, for example [\"vllm\"]")
+        else:
+            try:
+                self._writer_uids = frozenset(writer_uid(w) for w in self.writers)
+            except KeyError as err:  # removed between the key's check and here
+                raise ValueError(f"no user named {clip(str(err), 64)} on this host; create it or use a uid") from None
         return self
 
     @property
@@ -175,8 +158,8 @@ class TableConfig(BaseModel):
 
     @property
     def writer_uids(self) -> frozenset[int]:
-        """The uids that receive a read-write fd (empty unless writable)."""
-        return frozenset(writer_uid(w) for w in self.writers) if self.writable else frozenset()
+        """The uids that receive a read-write fd (empty unless writable), as resolved when the config was loaded."""
+        return self._writer_uids
 
     @property
     def verify_seconds(self) -> float | None:
@@ -224,6 +207,7 @@ class Config(BaseModel):
     verify_bandwidth: int = 1_000_000_000  # bytes/s of memory the scheduled verify reads at most
     tables: tuple[TableConfig, ...] = Field(default=(), alias="table")
     _source: str = PrivateAttr(default="<defaults>")
+    _allow_gids: frozenset[int] = PrivateAttr(default=frozenset())  # allow_groups resolved once, at load
 
     @property
     def source(self) -> str:
@@ -318,9 +302,19 @@ class Config(BaseModel):
                 raise ValueError(f"{g} is not a gid")
         return groups
 
+    @model_validator(mode="after")
+    def _resolve_groups(self) -> Config:
+        try:
+            self._allow_gids = frozenset(g if isinstance(g, int) else grp.getgrnam(g).gr_gid
+                                         for g in self.allow_groups)
+        except KeyError as err:  # removed between the key's check and here
+            raise ValueError(f"allow_groups: no group named {clip(str(err), 64)} on this host") from None
+        return self
+
     @property
     def allow_gids(self) -> frozenset[int]:
-        return frozenset(g if isinstance(g, int) else grp.getgrnam(g).gr_gid for g in self.allow_groups)
+        """allow_groups as gids, resolved when the config was loaded (never through NSS on the loop)."""
+        return self._allow_gids
 
     @field_validator("socket")
     @classmethod
@@ -336,32 +330,6 @@ class Config(BaseModel):
                 raise ValueError(f"table name {table.name!r} is used twice; names must be unique")
             seen.add(table.name)
         return tables
-
-
-def _key(loc: tuple) -> str:
-    """('table', 0, 'name') -> 'table[0].name', as a user would find it in the file."""
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += ("." if out else "") + str(part)
-    return out or "(top level)"
-
-
-def _describe(err: ValidationError) -> str:
-    lines = []
-    for e in err.errors():
-        key = _key(tuple(p for p in e["loc"] if p not in ("function-after",)))
-        msg = e["msg"]
-        if e["type"] == "extra_forbidden":
-            msg = f"unknown key (check its spelling; see {EXAMPLE_CONFIG} for the keys pled knows)"
-        elif e["type"] == "string_pattern_mismatch" and key.endswith("name"):
-            msg = "a table name is 1-64 letters, digits, '_', '.', '-', starting with a letter or digit"
-        elif msg.startswith("Value error, "):
-            msg = msg[len("Value error, "):]
-        lines.append(f"key {key}: {msg}")
-    return "; ".join(lines)
 
 
 def parse(text: str, source: str) -> Config:

@@ -28,6 +28,19 @@ from pled.shared.tensors import DTYPE_BITS, nbits, shape_problem
 LAYOUT = "ple-arrays"  # the manifest's layout for this form, as Status shows it
 SUFFIX = ".ple.ple_embedding.ngram_embedding"  # what every PLE table's prefix ends with, in the checkpoint and vLLM
 PARAMS = ("weight", "weight_scale")  # the parameters vLLM 0.33 pins (weight_scale: nvfp4's block scales)
+# DeepSeek V4.1's Engram tables (vLLM 0.33's ParallelEngramEmbedding): per layer one unsharded tensor pair,
+# ``layers.L.engram.embed.weight`` [N_L, 256] F8_E4M3 and ``layers.L.engram.embed.scale`` [N_L, 8] F8_E8M0 (one ue8m0
+# scale byte a 32 values), held as two arrays in that order; vLLM maps them to ``weight`` and ``weight_scale_inv``.
+ENGRAM_SUFFIX = ".engram.embed"
+ENGRAM_PARAMS = ("weight", "scale")
+ENGRAM_DTYPES = {"weight": "F8_E4M3", "scale": "F8_E8M0"}
+ENGRAM_BLOCK = 32  # values a scale byte covers (ParallelEngramEmbedding's block_size)
+ORDER = (*PARAMS, "scale")  # an array's place beside the others of its prefix
+
+
+def is_engram(prefix: str) -> bool:
+    """Whether an array's prefix is an Engram table's (``layers.1.engram.embed``), not a PLE table's."""
+    return prefix.endswith(ENGRAM_SUFFIX)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ Real: VllmConfig with a real EngramConfig(cpu_offload=True), Qwen4ExpTextConfig,
 load_weights, vLLM's weight iterator and WeightsMapper, and pled's plugin as vLLM loads it.
 
 FAKED, because this machine has no GPU (the test that runs this says so too):
-- the CUDA runtime pled registers with (pled.client.host_register.use(FakeCuda())): it records each call;
+- the CUDA runtime pled's GPU side calls (pled.client.gpu.use(FakeCuda())): the device's attributes as each case
+  sets them, registration results, and the device view at a host address (pageable access); it records each call;
 - Tensor.is_pinned: true where the storage lies in a range registered with the fake;
 - vLLM's UVA view (vllm.utils.torch_utils.get_accelerator_view_from_cpu_tensor, before vLLM's PLE module imports
   it by name): the tensor itself where it is pinned, else a private copy, as the real helper's cudaHostAlloc makes;
@@ -53,6 +54,18 @@ def read_bytes() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
 
 
+def anonymous_mappings() -> set:
+    """This process's anonymous mappings that can hold data (readable or writable, not PROT_NONE reservations)."""
+    out = set()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) < 6 and parts[1] != "---p":
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                out.add((lo, hi))
+    return out
+
+
 def mapping_of(ptr: int) -> str:
     with open("/proc/self/maps") as f:
         for line in f:
@@ -64,14 +77,17 @@ def mapping_of(ptr: int) -> str:
 
 
 class FakeCuda:
-    """FAKED (no GPU here): pled.client.host_register's runtime; records register and unregister calls."""
+    """FAKED (no GPU here): pled.client.gpu's runtime; the device's attributes as a case sets them, registration
+    results (``refuse``: every registration fails with that code, or only those whose flags are in ``refuse_flags``),
+    records register and unregister calls and the device views made at a host address (pageable access)."""
 
     name = "fake CUDA"
 
     def __init__(self):
-        self.calls, self.unregistered, self.ranges = [], [], {}
+        self.calls, self.unregistered, self.ranges, self.aliases = [], [], {}, []
         self.host_allocs: dict[int, int] = {}  # pin_memory=True allocations: pinned, as cudaHostAlloc's are
-        self.read_only, self.refuse, self.pin = True, False, True
+        self.read_only, self.refuse, self.pin, self.refuse_flags = True, False, True, None
+        self.attrs: dict[int, int] = {}
 
     def device(self):
         return 0
@@ -79,13 +95,20 @@ class FakeCuda:
     def device_name(self, device):
         return "FakeGPU (no read-only registration)" if not self.read_only else "FakeGPU"
 
-    def read_only_supported(self, device):
-        return self.read_only
+    def attribute(self, device, attr):
+        return {99: 1, 113: int(self.read_only), 88: 0, 100: 0, 91: 1, **self.attrs}.get(attr, 0)
+
+    def versions(self):
+        return 13000, 13000
+
+    def device_alias(self, tensor):
+        self.aliases.append((tensor.data_ptr(), tensor.numel() * tensor.element_size()))
+        return tensor  # the same address, no copy (a real device tensor there is CUDA's)
 
     def register(self, ptr, nbytes, flags):
         self.calls.append((ptr, nbytes, flags))
-        if self.refuse:
-            return 1  # cudaErrorInvalidValue
+        if self.refuse and (self.refuse_flags is None or flags in self.refuse_flags):
+            return 1 if self.refuse is True else self.refuse  # cudaErrorInvalidValue, or the code given
         if self.pin:  # else: says it registered, pins nothing (a runtime pled must not trust blindly)
             self.ranges[ptr] = nbytes
         return 0
@@ -105,9 +128,9 @@ def install_fakes(fake):
     import torch
     import vllm.utils.torch_utils as torch_utils
 
-    from pled.client import host_register
+    from pled.client import gpu
 
-    host_register.use(fake)
+    gpu.use(fake)
     torch.Tensor.is_pinned = lambda self, device=None: fake.pinned(self.untyped_storage().data_ptr())
     copies = []
 
@@ -187,6 +210,9 @@ def describe(module, fake, calls_before: int, digests: bool = True) -> dict:
             a = next(a for a in arrays if a.offset <= p.data_ptr() - table.address < a.offset + a.nbytes)
             info["expected"] = table.address + a.offset + e.shard_indices.org_vocab_start_index * a.row_bytes
             info["array"] = f"{a.prefix}.{a.param}"
+        method = getattr(e, "embedding_method", None)
+        uva = getattr(e, "_uva_weight", None) if name == "weight" else getattr(method, "_uva_weight_scale", None)
+        info["uva"] = uva.data_ptr() if uva is not None else None  # what vLLM's lookup kernel reads from
         out["params"][name] = info
     return out
 
@@ -234,7 +260,11 @@ def run_case(case: dict, spec: dict, fake, real_empty, fake_empty) -> dict:
     os.environ.pop("PLED_FALLBACK", None)
     os.environ.update(case.get("env", {}))
     fake.read_only, fake.refuse = case.get("read_only", True), case.get("refuse", False)
-    fake.pin = case.get("pin", True)
+    fake.pin, fake.attrs = case.get("pin", True), {int(k): v for k, v in case.get("attrs", {}).items()}
+    fake.refuse_flags = case.get("refuse_flags")
+    from pled.client import gpu
+
+    gpu.use(fake)  # installed anew: the device asked again and the routes chosen again for this case's attributes
     torch.empty = fake_empty if case.get("fake_pin_memory", True) else real_empty
     tc = text_config(spec["text"], case["dtype"])
     files = sorted(os.path.join(case["checkpoint"], f) for f in os.listdir(case["checkpoint"])
@@ -250,6 +280,7 @@ def run_case(case: dict, spec: dict, fake, real_empty, fake_empty) -> dict:
         out["layers"][str(layer)] = rec
         gc.collect()
         before, calls, copied = rss_anon(), len(fake.calls), len(spec["_copies"])
+        anon_before, aliases = anonymous_mappings(), len(fake.aliases)
         read_before, start = read_bytes(), time.perf_counter()
         try:
             module, rec["loaded"] = build_and_load(tc, layer, case.get("params_dtype", "bfloat16"), files)
@@ -262,6 +293,8 @@ def run_case(case: dict, spec: dict, fake, real_empty, fake_empty) -> dict:
         gc.collect()
         rec["rss_anon_growth"] = rss_anon() - before
         rec["uva_private_copies"] = spec["_copies"][copied:]
+        rec["new_anonymous_mappings"] = sorted(hi - lo for lo, hi in anonymous_mappings() - anon_before)
+        rec["aliases"] = fake.aliases[aliases:]
         rec.update(describe(module, fake, calls, digests=not case.get("lean")))
         kept.append(module)
         if case.get("upstream"):  # the same table as vLLM builds it without pled (only pin_memory faked)

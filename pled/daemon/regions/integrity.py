@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pled.shared import region
 from pled.shared.boundary import BoundaryError, open_regular
 from pled.shared.digests import HEX_LENGTH, new_hasher
+from pled.shared.dropbehind import DropBehind
 
 CHUNK = 4 * 1024 * 1024  # bytes hashed between two looks at the throttle and the stop flag
 
@@ -140,26 +141,32 @@ def _locate(fd: int, piece, shard, buffer: memoryview, throttle: Throttle) -> Di
         src = open_regular(shard.path)
     except BoundaryError:
         return whole
+    behind = None
     try:
         st = os.fstat(src)
         if (st.st_size, st.st_mtime_ns) != (shard.size, shard.mtime_ns):
             return whole
+        # a sidecar's shard is pled's alone; of a checkpoint's file, only what this read brought in is dropped
+        behind = DropBehind(src, [(piece.begin, piece.begin + piece.nbytes)], shard.path,
+                            everything=piece.begin == 0 and piece.nbytes == shard.size)
         first = last = -1
         for at in range(0, piece.nbytes, CHUNK):
             size = min(CHUNK, piece.nbytes - at)
             data = os.pread(src, size, piece.begin + at)
             if len(data) != size:
                 return whole
+            behind.read(piece.begin + at, piece.begin + at + size)
             got = _read(fd, piece.offset + at, size, buffer)
             if got != data:
                 lo, hi = _first_last(got, data)
                 first = at + lo if first < 0 else first
                 last = at + hi
             throttle.account(size)
-        os.posix_fadvise(src, 0, 0, os.POSIX_FADV_DONTNEED)
     except OSError:
         return whole
     finally:
+        if behind is not None:
+            behind.close()
         os.close(src)
     if first < 0:  # the file now matches what the region holds: the digest is what differs; name the piece
         return whole

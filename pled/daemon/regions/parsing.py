@@ -100,6 +100,25 @@ def _dumps(obj: object) -> bytes:
     return b"".join(sink.chunks)
 
 
+_SAID_HERE = False
+
+
+def _plan_here(err: OSError, source: str, served: dict, proc_root: str, served_pages: dict[str, int] | None,
+               served_writable: frozenset[str]):
+    """The planning pass in this (the planning) thread, where the child cannot be started: pled's user may not
+    execute ``sys.executable`` again (an interpreter under a directory only root may search; the package's
+    /usr/lib/pled is not such a one). Said once in the log; the reload itself works as before."""
+    global _SAID_HERE
+    if not _SAID_HERE:
+        _SAID_HERE = True
+        log.warning("a reload's planning cannot run in a child process (%s: %s); it runs in pled's planning thread, "
+                    "where a large index holds the loop while it is parsed; give pled's user execute access to "
+                    "its interpreter's path", err.strerror or err, sys.executable)
+    from pled.daemon.regions import planning
+
+    return planning.plan_reload(source, served, proc_root, served_pages, served_writable)
+
+
 def _loads(data: bytes) -> Any:
     return pickle.Unpickler(_Frames(data)).load()
 
@@ -134,8 +153,11 @@ def plan_reload(source: str, served: dict, proc_root: str = "/", served_pages: d
     request = _dumps((source, served, proc_root, served_pages, served_writable, level))
     code = f"import sys; sys.path.insert(0, {root!r}); from pled.daemon.regions.parsing import child; child()"
     started = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-c", code, str(os.getpid())], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, cwd="/", env=env, close_fds=True)
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", code, str(os.getpid())], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, cwd="/", env=env, close_fds=True)
+    except PermissionError as err:  # pled's user may not execute its own interpreter's path (a private prefix)
+        return _plan_here(err, source, served, proc_root, served_pages, served_writable)
     try:
         out = _exchange(proc, request, started + WALL_SECONDS)
     finally:

@@ -1,8 +1,8 @@
 """Copy a table's files into one sealed, shared, anonymous memfd, one shard at a time.
 
 Every byte is copied once, straight from the page cache into the region, never
-through a second buffer; each chunk's file pages are dropped as soon as they are
-copied, so the transient page cache is a chunk or two, not a table. When every
+through a second buffer; the pages each chunk brought into the page cache are dropped as
+soon as it is copied, so the transient page cache is a chunk or two, not a table. When every
 shard is in, every writable mapping is gone and the memfd is sealed against
 shrinking, growing and writing: no client can ever change the table.
 
@@ -26,9 +26,10 @@ from pled.daemon.regions import regionfd
 from pled.daemon.regions.pacer import CHUNK, Pacer
 from pled.daemon.sources.checkpoint import Source
 from pled.daemon.sources.sidecar import Shard
-from pled.shared import hugepages, region
+from pled.shared import hugepages, layouts, region
 from pled.shared.boundary import BoundaryError, open_regular
 from pled.shared.digests import OWN, new_hasher
+from pled.shared.dropbehind import DropBehind
 from pled.shared.errors import EX_OK, PledError, SidecarError, StagingError
 from pled.shared.pagecache import mapping_address
 from pled.shared.region import Manifest, Piece, Region
@@ -99,30 +100,27 @@ class StageStats:
         return self.pages.numa.label if self.pages and not self.pages.numa.refused else ""
 
 
-def _drop_cache(fd: int, offset: int, length: int, path: str) -> None:
-    """POSIX_FADV_DONTNEED: the cgroup must not be charged for the file pages and the copy both."""
-    try:
-        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
-    except OSError as err:  # os.posix_fadvise raises on the returned error, unlike a bare libc call
-        log.warning("could not drop page cache of %s (%s); staging goes on, page cache will be reclaimed later",
-                    path, err)
-
-
 def _copy_file(shard: Shard, pieces: list[Piece], fd: int, view: memoryview | None, pacer: Pacer, table: str) -> None:
     """Copy ``pieces`` of one source file (the whole of a sidecar's shard, or a checkpoint's PLE tensors) to their
-    places in the region, dropping the file's pages chunk by chunk; the file checked unchanged before and after."""
+    places in the region, in the file's order, dropping behind the copy, chunk by chunk, the pages it brought into
+    the page cache (dropbehind.py: a sidecar's every page; of a checkpoint, only what pled brought in); the file
+    checked unchanged before and after. The page cache is charged to pled's cgroup: never a table's worth of it."""
     try:
         src = open_regular(shard.path)  # a FIFO or device put in its place since validation is never opened
     except BoundaryError as err:
         raise StagingError(table, f"cannot stage {shard.path}: {err}; nothing of it is served") from err
     try:
         _check_unchanged(src, shard, table)
-        os.posix_fadvise(src, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        for piece in pieces:
-            _copy_piece(src, shard, piece, fd, view, pacer, table)
-        _drop_cache(src, 0, 0, shard.path)  # readahead may have brought in pages past the last chunk
-        _check_unchanged(src, shard, table)
         whole = len(pieces) == 1 and pieces[0].begin == 0 and pieces[0].nbytes == shard.size
+        pieces = sorted(pieces, key=lambda p: p.begin)
+        behind = DropBehind(src, [(p.begin, p.begin + p.nbytes) for p in pieces], shard.path, everything=whole)
+        try:
+            os.posix_fadvise(src, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            for piece in pieces:
+                _copy_piece(src, shard, piece, fd, view, pacer, table, behind)
+        finally:
+            behind.close()
+        _check_unchanged(src, shard, table)
         # A whole file's header is checked as copied; a checkpoint's (not copied) as the file has it now.
         header = (os.pread(fd, shard.header.header_len, pieces[0].offset + 8) if whole
                   else os.pread(src, shard.header.header_len, 8))
@@ -135,7 +133,7 @@ def _copy_file(shard: Shard, pieces: list[Piece], fd: int, view: memoryview | No
 
 
 def _copy_piece(src: int, shard: Shard, piece: Piece, fd: int, view: memoryview | None, pacer: Pacer,
-                table: str) -> None:
+                table: str, behind: DropBehind) -> None:
     if view is None:
         os.lseek(fd, piece.offset, os.SEEK_SET)
     done = 0
@@ -156,7 +154,7 @@ def _copy_piece(src: int, shard: Shard, piece: Piece, fd: int, view: memoryview 
         if got == 0:
             raise StagingError(table, f"{shard.path} ended at byte {at} of {shard.size}: it was truncated while "
                                       "staging")
-        _drop_cache(src, at, got, shard.path)
+        behind.read(at, at + got)
         done += got
         pacer.account(got)
 
@@ -330,12 +328,13 @@ def _write(fd: int, view: memoryview | None, offset: int, data: bytes) -> None:
 
 
 def describe_ready(r: Region) -> str:
-    """The log line for a staged table: size, time, rate, huge-page share."""
-    m, s = r.manifest, r.stats
+    """The log line for a staged table: size, files (shards, or a glob's or checkpoint's), time, rate, huge pages."""
+    m, s, n = r.manifest, r.stats, len(r.manifest.shards)
+    files = ("checkpoint file" if m.form == "arrays" else "shard" if m.layout in layouts.LAYOUTS else "file")
     share = s.huge_bytes / m.region_bytes if m.region_bytes else 0.0
     pages = s.fill.policy if s.fill.method == HUGETLB else f"shmem_enabled: {s.fill.policy}"
     line = (
-        f"table {m.table} staged: {gib(m.source_bytes)} in {len(m.shards)} shards, {s.seconds * 1000:.0f} ms "
+        f"table {m.table} staged: {gib(m.source_bytes)} in {n} {files}{'s' * (n != 1)}, {s.seconds * 1000:.0f} ms "
         f"({rate(m.source_bytes, s.seconds)}), huge pages {share:.0%} ({pages}), "
         + ("sealed" if region.is_sealed(r.fd) else "sealed against shrinking and growing but NOT against writing "
            "(gpu_access = \"writable\")")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 
+from pled.daemon.sources import engram
 from pled.daemon.sources.naming import find_files, natural_key, odd_one_out
 from pled.daemon.sources.safetensors_file import SafetensorsHeader, TensorInfo, read_header
 from pled.daemon.sources.sidecar import Shard, Sidecar
@@ -28,7 +29,7 @@ INDEX = "model.safetensors.index.json"
 MAX_ARRAYS = 1024  # a model has a PLE table per layer, nvfp4 two arrays each: a few hundred at the most
 MAX_INDEX = 32 * 1024 * 1024  # a large model's index lists ~100,000 tensors in a few MB
 LOOKED_FOR = (f"tensors named <prefix>{arrays.SUFFIX}.shard_<i>.weight (nvfp4 also .weight_scale), or an unsharded "
-              f"<prefix>{arrays.SUFFIX}.weight")
+              f"<prefix>{arrays.SUFFIX}.weight, or Engram tables <prefix>{arrays.ENGRAM_SUFFIX}.weight and .scale")
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,12 @@ class Checkpoint:
         return {
             "source": self.source, "form": "arrays", "layout": self.layout, "bytes": self.nbytes,
             "arrays": [{"prefix": a.prefix, "param": a.param, "dtype": a.dtype, "rows": a.rows, "width": a.width,
-                        "shards": a.parts, "bytes": a.nbytes} for a in self.arrays],
+                        "shards": a.parts, "bytes": a.nbytes, "kind": "engram" if arrays.is_engram(a.prefix) else "ple"}
+                       for a in self.arrays],
+            "engram": [{"prefix": a.prefix, "rows": a.rows, "bytes": a.nbytes + s.nbytes,
+                        "private_copies": engram.private_copies(a.rows, a.width)}
+                       for a in self.arrays if arrays.is_engram(a.prefix) and a.param == "weight"
+                       for s in self.arrays if s.prefix == a.prefix and s.param == "scale"],
             "files": [{"path": s.path, "bytes": s.size, "ple_tensors": held.count(s.index)} for s in self.shards],
         }
 
@@ -103,10 +109,15 @@ def ple_name(name: str, where: str) -> tuple[str, int | None, str] | None:
     return prefix, value, param
 
 
+def table_name(name: str, where: str) -> tuple[str, int | None, str] | None:
+    """``ple_name``, or an Engram table's tensor (pled.daemon.sources.engram): what a ``checkpoint`` table holds."""
+    return ple_name(name, where) or engram.engram_name(name)
+
+
 def is_ple(name: str) -> bool:
-    """Whether ``name`` is (or claims to be: ``ple_name`` refuses it) a PLE table's tensor."""
+    """Whether ``name`` is (or claims to be: ``ple_name`` refuses it) a PLE or Engram table's tensor."""
     try:
-        return ple_name(name, "") is not None
+        return table_name(name, "") is not None
     except SidecarError:
         return True
 
@@ -124,7 +135,7 @@ def parse_index(path: str, raw: bytes) -> dict[str, list[str]]:
         raise SidecarError(path, "has no \"weight_map\" of tensor names to file names")
     wanted: dict[str, list[str]] = {}
     for name, filename in weight_map.items():
-        if ple_name(name, path) is None:
+        if table_name(name, path) is None:
             continue
         if os.path.basename(filename) != filename or filename in ("", ".", "..") or "\0" in filename:
             raise SidecarError(path, f"names {clip(filename, 120)!r} for {clip(name, 120)!r}; a checkpoint's "
@@ -161,8 +172,8 @@ def open_checkpoint(source: str) -> Checkpoint:
             if name not in names:
                 raise SidecarError(path, f"has no tensor {clip(name, 120)!r}, which {INDEX} says it holds; the "
                                          "checkpoint is incomplete or its index stale")
-        hits = [(t, parsed) for t in header.tensors if (parsed := ple_name(t.name, path)) is not None]
-        if hits:  # kept with its PLE tensors only: a file's other tensors are vLLM's, and a reload's plan carries
+        hits = [(t, parsed) for t in header.tensors if (parsed := table_name(t.name, path)) is not None]
+        if hits:  # kept with its table tensors only: a file's other tensors are vLLM's, and a reload's plan carries
             # the headers it keeps from the planning child to pled (regions/parsing.py): 120,000 tensors of an 8 MiB
             # header are a third of a second of pled's CPU to unpickle, in the loop's process
             holding[path] = replace(header, tensors=tuple(t for t, _ in hits))
@@ -174,7 +185,7 @@ def open_checkpoint(source: str) -> Checkpoint:
             slot[number] = (path, t)
     if not found:
         raise SidecarError(source, f"holds no PLE table: pled looked for {LOOKED_FOR}; point `checkpoint` at a "
-                                   "Qwen4Exp checkpoint, or serve this with `path`")
+                                   "Qwen4Exp or DeepSeek V4.1 checkpoint, or serve this with `path`")
     if len(found) > MAX_ARRAYS:
         raise SidecarError(source, f"holds {len(found)} PLE tables and parameters; pled takes at most {MAX_ARRAYS} "
                                    "(each array is placed on its own 2 MiB boundary): is this one model's checkpoint?")
@@ -182,8 +193,9 @@ def open_checkpoint(source: str) -> Checkpoint:
     shards = tuple(_shard(i, p, holding[p]) for i, p in enumerate(paths))
     file_index = {p: i for i, p in enumerate(paths)}
     built = [_array(prefix, param, slots, file_index) for (prefix, param), slots in found.items()]
-    built.sort(key=lambda a: (natural_key(a.prefix), arrays.PARAMS.index(a.param)))
+    built.sort(key=lambda a: (natural_key(a.prefix), arrays.ORDER.index(a.param)))
     _check_pairs(built, shards)
+    engram.check_pairs(built, shards)
     return Checkpoint(source=source, shards=shards, arrays=tuple(built))
 
 
@@ -272,7 +284,7 @@ def _check_pairs(built: list[PleArray], shards: tuple[Shard, ...]) -> None:
     """nvfp4's block scales (``weight_scale``) beside their table's ``weight``: U8 codes two a byte, one F8_E4M3 scale
     each 16 values (the scales' width an eighth of the codes'), split alike (the same shards, the same rows each)."""
     weights = {a.prefix: a for a in built if a.param == "weight"}
-    for scale in (a for a in built if a.param == "weight_scale"):
+    for scale in (a for a in built if a.param == "weight_scale" and not arrays.is_engram(a.prefix)):
         where = shards[scale.tensors[0][0]].path
         weight = weights.get(scale.prefix)
         if weight is None:

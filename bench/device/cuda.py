@@ -1,12 +1,12 @@
-"""CUDA for bench/device_check.py and its children: pled's registration seam over a mapped table, the device
+"""CUDA for bench/device/check.py and its children: pled's registration seam over a mapped table, the device
 pointer of registered (or pinned) host memory, a torch tensor over it, and vLLM's private pinned copy.
 
-- Registration goes through pled's one seam, ``pled.client.host_register.register`` (cudaHostRegister with
+- Registration goes through pled's one seam, ``pled.client.gpu.registry.register`` (cudaHostRegister with
   Mapped|ReadOnly over the page-rounded range, released by a finalizer when the owner goes), exactly as the vLLM
   plugin's ``_pinned_view`` uses it: a numpy owner over the read-only mapping, a CPU tensor over that, registered,
   ``is_pinned()`` checked.
 - The device pointer is ``cudaHostGetDevicePointer`` through libcudart by ctypes (the libcudart torch loaded, as
-  host_register finds it), as vLLM's ``get_accelerator_view_from_cpu_tensor`` takes it for a pinned tensor; the
+  pled.client.gpu.cuda finds it), as vLLM's ``get_accelerator_view_from_cpu_tensor`` takes it for a pinned tensor; the
   tensor over it is made by ``torch.as_tensor`` from a ``__cuda_array_interface__`` (no copy: its data_ptr is
   checked to be the device pointer), and holds the host owner alive.
 - Upstream's private copy: ``torch.empty(n, pin_memory=True)`` and ``copy_`` from the mapping, then its device
@@ -21,7 +21,8 @@ import warnings
 
 import numpy as np
 
-from pled.client import host_register
+from pled.client import gpu
+from pled.client.gpu import registry
 
 ATTR_CAN_USE_HOST_POINTER = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
 
@@ -38,8 +39,8 @@ class Cuda:
 
         self.torch = torch
         torch.zeros(1, device="cuda")  # the primary context, before anything is timed
-        self.rt = host_register.runtime()
-        self.lib = self.rt.libcudart()  # the libcudart torch loaded (host_register's lookup)
+        self.rt = gpu.runtime()
+        self.lib = self.rt.libcudart()  # the libcudart torch loaded (pled.client.gpu.cuda's lookup)
         self.lib.cudaHostGetDevicePointer.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
                                                       ctypes.c_uint]
         self.lib.cudaMemcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -61,12 +62,12 @@ class Cuda:
         props = self.torch.cuda.get_device_properties(self.device)
         out = {"gpu": props.name, "capability": f"{props.major}.{props.minor}", "gpu_memory": props.total_memory,
                "cuda_driver": driver.value, "cuda_runtime": runtime.value}
-        asks = {"read_only_registration_supported": lambda: self.rt.read_only_supported(self.device),
+        asks = {"read_only_registration_supported": lambda: bool(self.rt.attribute(self.device, 113)),
                 "can_use_host_pointer_for_registered_mem": lambda: self.attribute(ATTR_CAN_USE_HOST_POINTER)}
         for key, ask in asks.items():
             try:
                 out[key] = ask()
-            except RuntimeError as err:  # host_register.RegistrationError, CudaError: said, not fatal
+            except RuntimeError as err:  # gpu.RegistrationError, CudaError: said, not fatal
                 out[key] = f"unknown: {err}"
         return out
 
@@ -125,7 +126,7 @@ class Registered:
             self.cpu = cuda.torch.from_numpy(self.owner)
         self.host = self.cpu.data_ptr()
         start = time.perf_counter()
-        self.key = host_register.register(self.owner, mapping, self.host, nbytes, what)
+        self.key = registry.register(self.cuda.rt, self.owner, mapping, self.host, nbytes, what)
         self.seconds = time.perf_counter() - start
         self.pinned = bool(self.cpu.is_pinned())
         self._device = None
@@ -143,7 +144,7 @@ class Registered:
         start = time.perf_counter()
         del self.cpu, self.owner
         seconds = time.perf_counter() - start
-        if self.key in host_register.registrations.held:
+        if self.key in registry.registrations.held:
             gc.collect()
             return float("nan")
         return seconds
@@ -151,12 +152,12 @@ class Registered:
 
 def try_register(cuda: Cuda, host: int, nbytes: int, flags: int) -> dict:
     """One raw cudaHostRegister with ``flags`` (undone at once where it succeeds): its code and message."""
-    start, length = host_register.page_range(host, nbytes)
+    start, length = registry.page_range(host, nbytes)
     code = cuda.rt.register(start, length, flags)
     if code == 0:
         cuda.rt.unregister(start)
         return {"flags": flags, "code": 0, "result": "registered (then unregistered)"}
-    cuda.lib.cudaGetLastError()  # clear it, as vLLM's host_register does
+    cuda.lib.cudaGetLastError()  # clear it, as vLLM's registration does
     return {"flags": flags, "code": code, "result": cuda.rt.error(code)}
 
 

@@ -1,0 +1,201 @@
+"""Drop from the page cache what pled's reads of one file brought in, and nothing else.
+
+A sidecar's shard is pled's alone: every page of it is dropped behind the copy, chunk by chunk, and the whole file
+once read (``everything=True``). A model checkpoint is not: its PLE tensors are a small part of files whose other
+tensors a restarting vLLM reads next. Of a checkpoint file pled drops only
+
+* pages inside the byte ranges it read, rounded inward (a page shared with a neighbouring tensor stays),
+* that were not in the page cache before pled read any of the file (one snapshot, taken when the file is opened:
+  taken later, the kernel's readahead for one tensor would pass for pages that were cached before the next),
+* and, once the file is read, the readahead tail after each range: the pages past its end the kernel read ahead
+  (up to twice read_ahead_kb, 28 MiB measured with read_ahead_kb = 8192), again only those not cached before. A
+  page still being read in cannot be dropped: pled looks again, up to 0.1 s, while such pages are left.
+
+Residency comes from cachestat(2) (Linux 6.5+) where the whole file is cold or wholly cached, else from mincore(2)
+on a mapping of the file. Both tell the truth only to a process that owns the file or may write it (Linux 5.2's
+side-channel fix: cachestat then fails with EPERM, mincore reports every page cached). Where pled may not know, it
+drops the ranges it read (inward) and no readahead tail, as if the file had been cold: the other tensors stay.
+
+Dropping works on whole folios: the page cache holds a file in folios of up to 2 MiB, and POSIX_FADV_DONTNEED leaves
+any folio that runs past either end of the range. So a read in progress drops up to the last 2 MiB boundary behind
+it, and the rest when its range is done; adjacent ranges (a checkpoint's PLE tensors follow each other) are one.
+"""
+from __future__ import annotations
+
+import bisect
+import ctypes
+import logging
+import mmap
+import os
+import re
+import time
+from collections.abc import Iterable
+
+from pled.shared.hugepages import PMD_SIZE
+from pled.shared.pagecache import _NR_CACHESTAT, PAGE, _libc, _Range, _Stat, mapping_address
+
+log = logging.getLogger(__name__)
+
+SETTLE_TRIES, SETTLE_PAUSE = 10, 0.01  # readahead still in flight when its tail is dropped: at most 0.1 s a file
+TAIL = 64 * 1024 * 1024  # the least readahead tail looked at past a range; 4 x read_ahead_kb where that is more
+_LOW_BIT = bytes(i & 1 for i in range(256))  # mincore's vector: bit 0 is residency, the others are reserved
+_COLD = re.compile(rb"\x00+")
+
+
+def page_up(n: int) -> int:
+    return -(-n // PAGE) * PAGE
+
+
+def page_down(n: int) -> int:
+    return n // PAGE * PAGE
+
+
+def merged(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Byte ranges sorted, those that touch or overlap made one."""
+    out: list[tuple[int, int]] = []
+    for begin, end in sorted(r for r in ranges if r[1] > r[0]):
+        if out and begin <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((begin, end))
+    return out
+
+
+def _may_see(fd: int) -> bool:
+    """Whether the kernel tells this process the truth about ``fd``'s page cache (mm/mincore.c, can_do_mincore)."""
+    st = os.fstat(fd)
+    return os.geteuid() in (0, st.st_uid) or os.access(f"/proc/self/fd/{fd}", os.W_OK)
+
+
+def _cached_pages(fd: int, size: int) -> int | None:
+    """Pages of ``fd`` in the page cache by cachestat(2); None where it cannot say (old kernel, EPERM)."""
+    rng, st = _Range(0, 0), _Stat()
+    if _libc.syscall(_NR_CACHESTAT, fd, ctypes.byref(rng), ctypes.byref(st), 0) == 0:
+        return int(st.nr_cache)
+    return None  # ENOSYS (before 6.5), EPERM (a file this process may not see, or a seccomp filter), ...
+
+
+def resident(fd: int, size: int) -> bytes | None:
+    """One byte a page of ``fd``'s first ``size`` bytes, 1 where it is in the page cache now; None where this
+    process cannot know."""
+    pages = -(-size // PAGE)
+    if pages == 0:
+        return b""
+    counted = _cached_pages(fd, size)
+    if counted == 0:
+        return bytes(pages)  # a cold file: the common case, and no mapping needed
+    if counted is not None and counted >= pages:
+        return b"\x01" * pages
+    return _mincore(fd, 0, size) if _may_see(fd) else None
+
+
+def _mincore(fd: int, offset: int, length: int) -> bytes | None:
+    """mincore over a mapping of [offset, offset + length) (offset page-aligned); None where it cannot be had."""
+    try:  # never written: mincore still sees the file's pages
+        m = mmap.mmap(fd, length, access=mmap.ACCESS_COPY, offset=offset)
+    except OSError:  # a file system that cannot map it: not known
+        return None
+    try:
+        vec = (ctypes.c_ubyte * -(-length // PAGE))()
+        if _libc.mincore(ctypes.c_void_p(mapping_address(m)), ctypes.c_size_t(length), vec) != 0:
+            return None
+        return bytes(vec).translate(_LOW_BIT)
+    finally:
+        m.close()
+
+
+def _readahead_bound(fd: int) -> int:
+    """How far past a read the kernel may have read ahead: 4 x the device's read_ahead_kb, at least TAIL."""
+    dev = os.fstat(fd).st_dev
+    try:
+        with open(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb", encoding="ascii") as f:
+            return max(TAIL, 4 * 1024 * int(f.read().strip()))
+    except (OSError, ValueError):  # btrfs's anonymous devices have no bdi of that number
+        return TAIL
+
+
+class DropBehind:
+    """The page cache of one file while pled reads ``ranges`` of it: call ``read`` after each read (in order within
+    a range) and ``close`` once done (also after an error: what was read is dropped)."""
+
+    def __init__(self, fd: int, ranges: Iterable[tuple[int, int]], path: str, *, everything: bool = False) -> None:
+        self.fd, self.path, self.everything = fd, path, everything
+        self.runs = merged(ranges)
+        self._starts = [b for b, _ in self.runs]
+        self._to = [page_up(b) for b, _ in self.runs]  # dropped up to, in each run
+        self._touched = [False] * len(self.runs)
+        self._warned = False
+        size = os.fstat(fd).st_size
+        self.size = size
+        # Before the first read of the file: later, readahead for one range would pass for the next one's cache.
+        self.before = None if everything else resident(fd, size)
+        if self.before is None and not everything:
+            log.info("pled cannot see which pages of %r were cached (it neither owns nor may write it): it drops "
+                     "the pages of the ranges it read, cached or not, and leaves the rest of the file's", path)
+
+    def read(self, begin: int, end: int) -> None:
+        """Bytes [begin, end) were just read: drop what of them pled brought in, up to the last 2 MiB boundary (a
+        folio running on past ``end`` is dropped with the next read, or by ``close``)."""
+        i = bisect.bisect_right(self._starts, begin) - 1
+        if i < 0 or begin >= self.runs[i][1]:
+            return  # not in a range pled reads: a header, say
+        self._touched[i] = True
+        stop = page_down(self.runs[i][1]) if end >= self.runs[i][1] else end // PMD_SIZE * PMD_SIZE
+        if stop > self._to[i]:
+            self._drop(self._to[i], stop)
+            self._to[i] = stop
+
+    def close(self) -> None:
+        """Drop the rest of every range read, then (a checkpoint whose residency is known) the readahead tails; a
+        sidecar's file is dropped whole."""
+        if self.everything:
+            self._advise(0, 0)  # readahead may have brought in pages past the last chunk
+            return
+        for i, (_, end) in enumerate(self.runs):
+            if self._touched[i] and page_down(end) > self._to[i]:
+                self._drop(self._to[i], page_down(end))
+                self._to[i] = page_down(end)
+        if self.before is None:
+            return  # what lies past a range may be another reader's: left as found
+        bound = _readahead_bound(self.fd)
+        tails = [(page_up(end), min(page_down(self.runs[i + 1][0] if i + 1 < len(self.runs) else self.size),
+                                    page_up(end) + bound))
+                 for i, (_, end) in enumerate(self.runs) if self._touched[i]]
+        for _ in range(SETTLE_TRIES):  # a page still being read in cannot be dropped: wait for it, a little
+            for lo, hi in tails:
+                self._drop(lo, hi)
+            tails = [(lo, hi) for lo, hi in tails if self._still_in(lo, hi)]
+            if not tails:
+                return
+            time.sleep(SETTLE_PAUSE)
+
+    def _still_in(self, lo: int, hi: int) -> bool:
+        """Whether a page of [lo, hi) that was not cached before is cached now."""
+        if hi <= lo or self.before is None:
+            return False
+        now = _mincore(self.fd, lo, hi - lo)
+        was = self.before[lo // PAGE: -(-hi // PAGE)]
+        return now is not None and any(n and not w for n, w in zip(now, was, strict=False))
+
+    def _drop(self, lo: int, hi: int) -> None:
+        """Drop pages [lo, hi) (page-aligned) that were not cached before."""
+        if hi <= lo:
+            return
+        if self.before is None:
+            self._advise(lo, hi - lo)
+            return
+        was = self.before[lo // PAGE: -(-hi // PAGE)]
+        if b"\x01" not in was:
+            self._advise(lo, hi - lo)
+            return
+        for m in _COLD.finditer(was):
+            self._advise(lo + m.start() * PAGE, (m.end() - m.start()) * PAGE)
+
+    def _advise(self, offset: int, length: int) -> None:
+        try:
+            os.posix_fadvise(self.fd, offset, length, os.POSIX_FADV_DONTNEED)
+        except OSError as err:  # os.posix_fadvise raises on the returned error, unlike a bare libc call
+            if not self._warned:
+                self._warned = True
+                log.warning("could not drop page cache of %r (%s); pled goes on, the kernel reclaims it later",
+                            self.path, err)
