@@ -130,5 +130,6 @@ def test_status_verify_and_reload_exit_77_where_this_user_may_not(tmp_path, open
         os.chmod(sock, 0o666)
         assert as_user(lambda: cli("status", "--socket", sock), []) == "77"
         assert as_user(lambda: cli("verify", "--socket", sock), []) == "77"
+        assert as_user(lambda: cli("verify", "t", "--socket", sock), []) == "77"  # a table named: no Status first
     finally:
         daemon.stop()
