@@ -20,7 +20,11 @@ WORDS = T + "test_the_staging_line_names_shards_files_and_checkpoint_files_and_s
 PERM = T + "test_status_verify_and_reload_exit_77_where_this_user_may_not"
 ACL = T + "test_allow_uids_admits_a_uid_only_with_the_acl_entries_of_the_docs_drop_in"
 
+RATE = T + "test_a_small_files_rate_is_in_mb_s_not_zero_gb_s"
+
 MUTATIONS = [
+    Mutation("a small file's rate is '0.00 GB/s' again", "pled/shared/sizes.py", "if per_second >= 1e8 else",
+             "if per_second >= 0 else", (RATE,)),
     Mutation("the staging line counts a checkpoint's files as shards again (issue 47.8 as seen)",
              "pled/daemon/regions/staging.py", '("checkpoint file" if m.form == "arrays" else',
              '("shard" if m.form == "arrays" else', (WORDS,)),
