@@ -10,6 +10,9 @@ serve and the real `pled` command.
 - `allow_uids` admits nobody the socket's modes keep out (the docs said it "admits others too"): the uid needs the
   ACL entries operations.md's drop-in gives it (written here as setfacl writes them: the host has no setfacl), and
   then pled's own check decides.
+- A socket directory owned by another user is named with both uids: `pled serve` by root beside pled.service said
+  "/run/pled belongs to uid 997, who could replace pled's socket; use a directory owned by root or pled's user", where
+  uid 997 is user pled.
 - A rate below 0.1 GB/s is in MB/s: a checkpoint's small files were staged and verified "(0.00 GB/s)".
 - `pled status`, `verify` and `reload` where this user may not (the socket's modes, pled's check, a reload by a group
   member) exit 77, EX_NOPERM, not 1: status's 1 is "a table not ready", verify's 1 "a difference found".
@@ -142,3 +145,17 @@ def test_status_verify_and_reload_exit_77_where_this_user_may_not(tmp_path, open
 def test_a_small_files_rate_is_in_mb_s_not_zero_gb_s():
     assert rate(80424, 0.033) == "2.4 MB/s"  # the checkpoint file of the trial: "0.00 GB/s" before
     assert (rate(6553824, 0.027), rate(10**9, 0.5)) == ("0.24 GB/s", "2.00 GB/s")  # from 0.1 GB/s on, as before
+
+
+@pytest.mark.daemon
+@pytest.mark.root
+def test_a_socket_directory_of_another_user_is_named_with_both_uids(tmp_path, sidecar, open_dir):
+    run = os.path.join(open_dir, "run")
+    os.mkdir(run, 0o750)
+    os.chown(run, 65534, 0)  # as /run/pled is pled.service's user's, for a pled started by hand as root
+    served = harness.start(tmp_path, {"t": sidecar(shards=1, rows=64)}, socket=os.path.join(run, "pled.sock"))
+    try:
+        assert (f"the socket's directory {run} belongs to uid 65534, neither root nor uid 0 that this pled runs as, so "
+                "uid 65534 could replace this pled's socket; use a directory owned by root or uid 0") in served.log()
+    finally:
+        served.stop()
