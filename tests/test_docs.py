@@ -271,3 +271,69 @@ def test_every_file_of_the_checkout_the_docs_name_exists():
              for name in REPO_PATH.findall(text)
              if name not in PLACEHOLDERS and not glob.glob(str(ROOT / name), recursive=True)]
     assert not wrong, "\n".join(wrong)
+
+
+# -- what pled's messages, its config and its catalog point an operator to ----------------------------------------
+
+SECTION_REFERENCE = re.compile(r'operations\.md\\?"?,? \(?\\?"([^"\\]+)\\?"(?: and \\?"([^"\\]+)\\?")?'
+                               r'|operations\.md, ([A-Z][\w .:\'-]*?)\)')
+
+
+def headings(path: Path) -> list[str]:
+    return [m[1].strip().lower() for m in re.finditer(r"^#{1,6} (.*)$", path.read_text(), flags=re.M)]
+
+
+def test_every_section_of_operations_md_that_pled_or_its_files_name_exists():
+    """A message, the example config, the journal catalog or a doc that says `operations.md, "X"` sends the operator
+    to a heading X (or one that begins with X) that is there."""
+    known = headings(ROOT / "docs" / "operations.md")
+    sources = [*ROOT.glob("pled/**/*.py"), ROOT / "config" / "pled.toml", *ROOT.glob("units/*"),
+               *ROOT.glob("deploy/**/*"), *docblocks.doc_files()]
+    wrong, found = [], 0
+    for path in sources:
+        if not path.is_file():
+            continue
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            for m in SECTION_REFERENCE.finditer(line):
+                for name in filter(None, m.groups()):
+                    found += 1
+                    if not any(h.startswith(name.lower().rstrip(".")) for h in known):
+                        wrong.append(f"{path.relative_to(ROOT)}:{n}: operations.md has no section {name!r}")
+    assert found > 10, found
+    assert not wrong, "\n".join(wrong)
+
+
+def test_pleds_messages_name_the_installed_docs_never_a_checkout_path():
+    """Issue 47.7's class: what pled prints names /usr/share/doc/pled/... (config_file.DOCS), not docs/ or config/."""
+    wrong = []
+    for path in ROOT.glob("pled/**/*.py"):
+        text = path.read_text()
+        for m in re.finditer(r"""(?<![\w/])(?:docs/[\w.]+\.md|config/pled\.toml)""", text):
+            line = text[:m.start()].count("\n") + 1
+            source = text.splitlines()[line - 1].strip()
+            in_string = re.search(r"""(?:^|[\s(=,])f?["'][^"'#]*$""", source[:source.find(m[0])])
+            if in_string and not source.startswith("#") and '"""' not in source:
+                wrong.append(f"{path.relative_to(ROOT)}:{line}: {source}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_configuration_table_lists_every_key_pled_reads():
+    from pled.daemon import config
+
+    text = (ROOT / "docs" / "operations.md").read_text()
+    table = text[text.index("## Configuration"):text.index("## Tables: sidecars and globs")]
+    wrong = [f"docs/operations.md, Configuration: no row for {key}"
+             for key in [*config.Config.model_fields, *config.TableConfig.model_fields] if key != "tables"
+             if not re.search(rf"^\| (?:`\[\[table\]\]` )?`(?:[\w]+`, `)*{key}`", table, flags=re.M)]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_pled_variable_the_docs_name_is_read_or_written_somewhere():
+    """PLED_SOCKET, PLED_FALLBACK, a journal field such as PLED_TABLE, ...: each is in pled's code, the Makefile or a
+    recipe under deploy/ (a name that is only in the docs is one an operator sets for nothing)."""
+    code = "\n".join(p.read_text(errors="replace") for pattern in ("pled/**/*.py", "deploy/**/*", "Makefile", "units/*")
+                     for p in ROOT.glob(pattern) if p.is_file())
+    named = {v for p in docblocks.doc_files() for v in re.findall(r"\bPLED_[A-Z][A-Z_]*\b", p.read_text())}
+    assert "PLED_SOCKET" in named
+    wrong = sorted(v for v in named if not re.search(rf"\b{v}\b", code))
+    assert not wrong, f"named in the docs, used nowhere: {wrong}"

@@ -1,6 +1,6 @@
 """pled.toml: read with tomllib, validated by pydantic, every error naming the key and the file.
 
-Every key, with its default and a comment: config/pled.toml (installed as /usr/share/doc/pled/pled.toml).
+Every key, with its default and a comment: config/pled.toml (installed as /usr/share/doc/pled/examples/pled.toml).
 Relative table paths, and a relative metrics_file, are taken relative to the directory of the config file.
 """
 from __future__ import annotations
@@ -26,6 +26,7 @@ from pydantic import (
 from pled.daemon.config_errors import describe as _describe
 from pled.shared.boundary import BoundaryError, clip
 from pled.shared.config_file import (  # noqa: F401 (resolve_path)
+    DOCS,
     EXAMPLE_CONFIG,
     MAX_DEPTH,
     check_socket_path,
@@ -140,7 +141,7 @@ class TableConfig(BaseModel):
             for key, given in (("writers", self.writers), ("verify_interval", self.verify_interval is not None)):
                 if given:
                     raise ValueError(f"{key} is only for a table with gpu_access = \"writable\"; add that (read "
-                                     f"docs/operations.md, \"The writable route\", first) or remove {key}")
+                                     f"{DOCS}/operations.md, \"The writable route\", first) or remove {key}")
         elif not self.writers:
             raise ValueError("gpu_access = \"writable\" needs writers = [...], the users (names or uids) who may "
                              "write the table, for example [\"vllm\"]")
