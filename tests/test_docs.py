@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -68,6 +69,10 @@ RUN = [_param(b) for b in BLOCKS if b.marker == "run"]
 @pytest.mark.parametrize("block", RUN)
 def test_a_run_block_runs(block: Block, tmp_path):
     assert block.lang in ("python", "sh", "bash", "console"), f"{block.where}: no way to run ```{block.lang}"
+    needs = [c for w in block.args.split() if w.startswith("needs=") for c in w[len("needs="):].split(",")]
+    missing = [c for c in needs if not shutil.which(c)]
+    if missing:
+        pytest.skip(f"{block.where} needs {', '.join(missing)}, not installed here")
     env = clean_env(PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     env.pop("PLED_SOCKET", None)
     env.pop("PLED_CONFIG", None)
