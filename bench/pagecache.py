@@ -97,13 +97,14 @@ def stage_once(d: Path, files: list[str], variant: str) -> dict:
         os.posix_fadvise = _random_fadvise(real_fadvise)
     try:
         source = open_checkpoint(str(d))
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), os.times()
         r = staging.stage("bench", source, digests=False)
-        seconds = time.perf_counter() - t
+        seconds, done = time.perf_counter() - t, os.times()
         r.close()
     finally:
         staging.DropBehind, os.posix_fadvise = real_db, real_fadvise  # type: ignore[misc]
-    return {"seconds": seconds, "cached_after": sum(cached_bytes(f) for f in files)}
+    cpu_seconds = done.user + done.system - cpu.user - cpu.system  # the process's, kernel's copy included
+    return {"seconds": seconds, "cpu_seconds": cpu_seconds, "cached_after": sum(cached_bytes(f) for f in files)}
 
 
 def snapshot_cost(files: list[str]) -> float:
@@ -147,20 +148,23 @@ def main() -> int:
         out = {"bytes": total, "ple_bytes": ple, "kernel": os.uname().release, "results": {}}
         print(f"checkpoint {total / MiB:.0f} MiB in {len(files)} files, PLE tensors {ple / MiB:.0f} MiB; "
               f"{args.repeats} repeats; kernel {os.uname().release}")
-        print("| variant, page cache before | seconds, median (min-max) | x ranges | cached before -> after, MiB |")
-        print("|---|---|---|---|")
+        print("| variant, page cache before | seconds, median (min-max) | x ranges | CPU seconds, median (min-max) "
+              "| x ranges | cached before -> after, MiB |")
+        print("|---|---|---|---|---|---|")
         for state in states:
-            base = statistics.median(r["seconds"] for r in runs[f"ranges {state}"])
+            base = {k: statistics.median(r[k] for r in runs[f"ranges {state}"]) for k in ("seconds", "cpu_seconds")}
             for variant in variants:
                 rs = runs[f"{variant} {state}"]
-                secs = [r["seconds"] for r in rs]
-                med = statistics.median(secs)
+                row, cells = {}, []
+                for k in ("seconds", "cpu_seconds"):
+                    xs = [r[k] for r in rs]
+                    row[k] = {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+                    cells.append(f"{row[k]['median']:.3f} ({min(xs):.3f}-{max(xs):.3f}) | "
+                                 f"{row[k]['median'] / base[k]:.2f}")
                 b = statistics.median(r["cached_before"] for r in rs) / MiB
                 a = statistics.median(r["cached_after"] for r in rs) / MiB
-                out["results"][f"{variant} {state}"] = {"seconds": {"median": med, "min": min(secs), "max": max(secs)},
-                                                        "cached_before": b * MiB, "cached_after": a * MiB}
-                print(f"| {variant}, {state} | {med:.3f} ({min(secs):.3f}-{max(secs):.3f}) | {med / base:.2f} | "
-                      f"{b:.0f} -> {a:.0f} |")
+                out["results"][f"{variant} {state}"] = row | {"cached_before": b * MiB, "cached_after": a * MiB}
+                print(f"| {variant}, {state} | {' | '.join(cells)} | {b:.0f} -> {a:.0f} |")
         for state, secs in snap.items():
             out[f"snapshot_seconds {state}"] = statistics.median(secs)
             print(f"residency snapshot of every file, {state}: {statistics.median(secs) * 1000:.2f} ms (median)")

@@ -195,6 +195,39 @@ def test_pages_shared_with_a_neighbour_stay_and_a_range_read_in_chunks_goes(tmp_
     assert not late, f"{len(late)} pages behind the read were not dropped as it went (first {late[0]})"
 
 
+def test_a_tail_page_not_yet_droppable_is_dropped_on_a_later_look(tmp_path, monkeypatch):
+    """Readahead still in flight cannot be dropped (its folio is locked): close() looks again. A page the test keeps
+    mapped stands for it (DONTNEED leaves a mapped page too) until close() pauses, when the test unmaps it."""
+    from pled.shared import dropbehind
+
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(8 * MiB))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        lo, hi = MiB, 3 * MiB
+        behind = DropBehind(fd, [(lo, hi)], str(path))
+        behind.read(lo, lo + len(os.pread(fd, hi - lo, lo)))
+        tail = hi + 5 * PAGE  # past the range: readahead's, as far as pled can tell
+        m = mmap.mmap(fd, PAGE, access=mmap.ACCESS_READ, offset=tail)
+        assert m[0] == os.pread(fd, 1, tail)[0] and pages(path)[tail // PAGE], "the tail page is not cached"
+        pauses = []
+
+        def pause(seconds):
+            pauses.append(seconds)
+            m.close()  # the page can go now
+
+        monkeypatch.setattr(dropbehind.time, "sleep", pause)
+        behind.close()
+        after = pages(path)
+    finally:
+        os.close(fd)
+    assert len(pauses) == 1, f"close() paused {len(pauses)} times"
+    assert not after[tail // PAGE], "the tail page pled brought in stayed cached after close() looked again"
+
+
 @pytest.fixture
 def shared_dir():
     """A directory on the tests' file system that another uid may read."""
@@ -248,6 +281,7 @@ def test_a_file_pled_may_not_see_the_cache_of_is_dropped_in_the_ranges_read_only
 
 
 @pytest.mark.daemon
+@pytest.mark.slow
 def test_serve_verify_and_reload_keep_a_cached_checkpoints_pages(tmp_path, daemon):
     d = tmp_path / "m"
     files = checkpoint(d)

@@ -26,8 +26,9 @@ MUTATIONS = [
     # A held file rewritten at the same size: refused, or read anew from disk; never the bytes pled staged.
     Mutation("a held file's identity checked by its size alone (a same-size rewrite served from the stale region)",
              "pled/client/held_files.py",
-             "        if (st.st_size, st.st_mtime_ns) != (held.shard.size, held.shard.mtime_ns):\n",
-             "        if st.st_size != held.shard.size:\n",
+             "        if (st.st_size, st.st_mtime_ns, st.st_dev, st.st_ino) != (shard.size, shard.mtime_ns, shard.dev, "
+             "shard.ino):\n",
+             "        if st.st_size != shard.size:\n",
              (REWRITTEN,)),
     Mutation('with "fallback": "disk", a changed held file warned about and served from the stale region all the same',
              "pled/client/held_files.py",

@@ -46,7 +46,7 @@ MUTATIONS = [
              "    if not torch.equal(source.contiguous().view(torch.uint8), target.view(torch.uint8)):\n",
              "    if not torch.equal(source[:1].contiguous().view(torch.uint8), target[:1].view(torch.uint8)):\n",
              (RANKS,)),
-    Mutation("every rank's pinned view starts at the array's row 0", "pled/client/ple_seams.py",
+    Mutation("every rank's pinned view starts at the array's row 0", "pled/client/gpu/view.py",
              "count=(hi - lo) * row, offset=array.offset + lo * row)", "count=(hi - lo) * row, offset=array.offset)",
              (RANKS,)),
     # 9a: an Attach reply with more than one fd: refused, every fd that came closed.

@@ -20,6 +20,10 @@ import os
 import sys
 import threading
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pled.shared.region import ShardEntry
 
 log = logging.getLogger("vllm.pled")  # under vLLM's own logger, so its handlers print our lines
 HINT = "check `systemctl status pled` and `pled status`"
@@ -137,8 +141,8 @@ def _answer_timeout(extra: dict) -> float:
 
 @dataclass
 class Held:
-    table: object  # pled.client.Table
-    shard: object  # pled.shared.region.ShardEntry
+    table: object  # pled.client.Table (not imported here: held_files is imported at vLLM's start, torch is not)
+    shard: ShardEntry
     partial: bool = False  # a checkpoint file of an arrays table: pled holds its PLE tensors, not the rest
 
 

@@ -34,6 +34,7 @@ PINNED = "vllm.models.qwen4_exp.common.ngram_embedding"
 PLE = "vllm.models.qwen4_exp.common.ple"
 PINNED_CLASS = "Qwen4ExpPLEPinnedHostEmbedding"
 PLE_CLASS = "PLEVocabParallelEmbedding"
+NVFP4_CLASS = "Qwen4ExpPLENvFp4EmbeddingMethod"
 UVA = "get_accelerator_view_from_cpu_tensor"
 ALLOCATE_PARAMS = ("self", "num_embeddings", "embedding_dim", "dtype")
 LOADER_PARAMS = ("self", "param", "loaded_weight", "checkpoint_start")
@@ -84,6 +85,27 @@ def patch_pinned(module) -> None:
     from pled.client import gpu
 
     setattr(module, UVA, gpu.guard_uva(uva))
+    nvfp4 = getattr(module, NVFP4_CLASS, None)
+    create = getattr(nvfp4, "create_weights", None)
+    if callable(create) and not getattr(create, "__pled__", False):
+        setattr(nvfp4, "create_weights", _wrap_create(module, create))  # noqa: B010 (found by name)
+
+
+def _wrap_create(module, original):
+    """NVFP4's create_weights takes the UVA view of its block scales only where they are pinned (C:447): on the
+    pageable route nothing is registered, so for pled's scales the view is taken here, through the guarded helper
+    (a device tensor at the host address), instead of being left missing for the lookup to fail on."""
+    def create_weights(self, layer, *args, **kwargs):
+        original(self, layer, *args, **kwargs)
+        scale = getattr(layer, "weight_scale", None)
+        st = held_files.current()
+        if (scale is not None and not hasattr(self, "_uva_weight_scale") and st is not None
+                and st.holding(scale.data_ptr()) is not None):
+            self._uva_weight_scale = getattr(module, UVA)(scale)
+
+    create_weights.__wrapped__ = original
+    create_weights.__pled__ = True
+    return create_weights
 
 
 def patch_ple(module) -> None:

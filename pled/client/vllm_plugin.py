@@ -26,6 +26,9 @@ from pled.client import import_hook, safe_open_seam
 ITERATOR = "safetensors_weights_iterator"
 PLE_MODULE = "vllm.models.qwen4_exp.common.ple"  # vLLM 0.33's PLE path: pled.client.ple_seams (its names there)
 PINNED_MODULE = "vllm.models.qwen4_exp.common.ngram_embedding"
+# vLLM 0.33's DeepSeek V4.1 Engram tables: pled.client.engram_seams (the model modules import can_share_… by name)
+ENGRAM_MODULE = "vllm.models.deepseek_v41.common.engram"
+ENGRAM_MODELS = ("vllm.models.deepseek_v41.nvidia.model", "vllm.models.deepseek_v41.amd.model")
 WEIGHT_UTILS = "vllm.model_executor.model_loader.weight_utils"
 DEFAULT_LOADER = "vllm.model_executor.model_loader.default_loader"
 # What the iterator wrapper relies on: the iterator's first two parameters, and two helpers beside it.
@@ -170,6 +173,10 @@ def register() -> None:
         # vLLM 0.33's own PLE path (pled.client.ple_seams): ple first, as ngram_embedding imports it
         import_hook.after_import(PLE_MODULE, _patch_ple)
         import_hook.after_import(PINNED_MODULE, _patch_pinned)
+        # and its DeepSeek V4.1 Engram path (pled.client.engram_seams): the engram module before the models
+        import_hook.after_import(ENGRAM_MODULE, _patch_engram)
+        for name in ENGRAM_MODELS:
+            import_hook.after_import(name, _patch_engram_model)
 
 
 def _patch_ple(module) -> None:
@@ -182,3 +189,15 @@ def _patch_pinned(module) -> None:
     from pled.client import ple_seams
 
     ple_seams.patch_pinned(module)
+
+
+def _patch_engram(module) -> None:
+    from pled.client import engram_seams
+
+    engram_seams.patch_engram(module)
+
+
+def _patch_engram_model(module) -> None:
+    from pled.client import engram_seams
+
+    engram_seams.patch_model(module)

@@ -202,4 +202,5 @@ class Reloader:
             return None
         return {"state": "planning" if r.plan is None else "staging",
                 "tables": [t.progress() | {"generation": t.generation} for t in self.registry.next.values()],
-                "removed": r.plan.removed if r.plan else [], "seconds": round(time.monotonic() - r.started, 1)}
+                "removed": r.plan.removed if r.plan else [], "seconds": round(time.monotonic() - r.started, 1),
+                "callers": len(r.callers), "again": self._again}

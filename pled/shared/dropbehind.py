@@ -8,7 +8,8 @@ tensors a restarting vLLM reads next. Of a checkpoint file pled drops only
 * that were not in the page cache before pled read any of the file (one snapshot, taken when the file is opened:
   taken later, the kernel's readahead for one tensor would pass for pages that were cached before the next),
 * and, once the file is read, the readahead tail after each range: the pages past its end the kernel read ahead
-  (up to twice read_ahead_kb, 28 MiB measured with read_ahead_kb = 8192), again only those not cached before.
+  (up to twice read_ahead_kb, 28 MiB measured with read_ahead_kb = 8192), again only those not cached before. A
+  page still being read in cannot be dropped: pled looks again, up to 0.1 s, while such pages are left.
 
 Residency comes from cachestat(2) (Linux 6.5+) where the whole file is cold or wholly cached, else from mincore(2)
 on a mapping of the file. Both tell the truth only to a process that owns the file or may write it (Linux 5.2's
@@ -27,6 +28,7 @@ import logging
 import mmap
 import os
 import re
+import time
 from collections.abc import Iterable
 
 from pled.shared.hugepages import PMD_SIZE
@@ -34,6 +36,7 @@ from pled.shared.pagecache import _NR_CACHESTAT, PAGE, _libc, _Range, _Stat, map
 
 log = logging.getLogger(__name__)
 
+SETTLE_TRIES, SETTLE_PAUSE = 10, 0.01  # readahead still in flight when its tail is dropped: at most 0.1 s a file
 TAIL = 64 * 1024 * 1024  # the least readahead tail looked at past a range; 4 x read_ahead_kb where that is more
 _LOW_BIT = bytes(i & 1 for i in range(256))  # mincore's vector: bit 0 is residency, the others are reserved
 _COLD = re.compile(rb"\x00+")
@@ -83,15 +86,18 @@ def resident(fd: int, size: int) -> bytes | None:
         return bytes(pages)  # a cold file: the common case, and no mapping needed
     if counted is not None and counted >= pages:
         return b"\x01" * pages
-    if not _may_see(fd):
-        return None
-    try:
-        m = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)  # never written: mincore still sees the file's pages
+    return _mincore(fd, 0, size) if _may_see(fd) else None
+
+
+def _mincore(fd: int, offset: int, length: int) -> bytes | None:
+    """mincore over a mapping of [offset, offset + length) (offset page-aligned); None where it cannot be had."""
+    try:  # never written: mincore still sees the file's pages
+        m = mmap.mmap(fd, length, access=mmap.ACCESS_COPY, offset=offset)
     except OSError:  # a file system that cannot map it: not known
         return None
     try:
-        vec = (ctypes.c_ubyte * pages)()
-        if _libc.mincore(ctypes.c_void_p(mapping_address(m)), ctypes.c_size_t(size), vec) != 0:
+        vec = (ctypes.c_ubyte * -(-length // PAGE))()
+        if _libc.mincore(ctypes.c_void_p(mapping_address(m)), ctypes.c_size_t(length), vec) != 0:
             return None
         return bytes(vec).translate(_LOW_BIT)
     finally:
@@ -152,10 +158,24 @@ class DropBehind:
         if self.before is None:
             return  # what lies past a range may be another reader's: left as found
         bound = _readahead_bound(self.fd)
-        for i, (_, end) in enumerate(self.runs):
-            if self._touched[i]:
-                after = self.runs[i + 1][0] if i + 1 < len(self.runs) else self.size
-                self._drop(page_up(end), min(page_down(after), page_up(end) + bound))
+        tails = [(page_up(end), min(page_down(self.runs[i + 1][0] if i + 1 < len(self.runs) else self.size),
+                                    page_up(end) + bound))
+                 for i, (_, end) in enumerate(self.runs) if self._touched[i]]
+        for _ in range(SETTLE_TRIES):  # a page still being read in cannot be dropped: wait for it, a little
+            for lo, hi in tails:
+                self._drop(lo, hi)
+            tails = [(lo, hi) for lo, hi in tails if self._still_in(lo, hi)]
+            if not tails:
+                return
+            time.sleep(SETTLE_PAUSE)
+
+    def _still_in(self, lo: int, hi: int) -> bool:
+        """Whether a page of [lo, hi) that was not cached before is cached now."""
+        if hi <= lo or self.before is None:
+            return False
+        now = _mincore(self.fd, lo, hi - lo)
+        was = self.before[lo // PAGE: -(-hi // PAGE)]
+        return now is not None and any(n and not w for n, w in zip(now, was, strict=False))
 
     def _drop(self, lo: int, hi: int) -> None:
         """Drop pages [lo, hi) (page-aligned) that were not cached before."""
