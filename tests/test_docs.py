@@ -285,7 +285,10 @@ SECTION_REFERENCE = re.compile(r'operations\.md\\?"?,? \(?\\?"([^"\\]+)\\?"(?: a
 
 
 def headings(path: Path) -> list[str]:
-    return [m[1].strip().lower() for m in re.finditer(r"^#{1,6} (.*)$", path.read_text(), flags=re.M)]
+    text = path.read_text()
+    fenced = {b.line + k for b in docblocks.blocks_of(path, text) for k in range(b.text.count("\n") + 2)}
+    return [m[1].strip().lower() for n, line in enumerate(text.splitlines(), 1) if n not in fenced
+            for m in [re.match(r"#{1,6} (.*)$", line)] if m]
 
 
 def test_every_section_of_operations_md_that_pled_or_its_files_name_exists():
