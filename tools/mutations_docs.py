@@ -86,8 +86,7 @@ MUTATIONS = [
              "| `[[table]]` `gpu_routes` |", "| `[[table]]` `gpu_route_order` |",
              (T + "test_the_configuration_table_lists_every_key_pled_reads",)),
     Mutation("the docs name a variable pled never reads", "docs/operations.md",
-             "`PLED_FALLBACK=disk` gives vLLM its own private copies",
-             "`PLED_FALLBACKS=disk` gives vLLM its own private copies",
+             "`PLED_AUTOLOAD=0`, `VLLM_PLE_QUANT_DIR`", "`PLED_AUTOLOADS=0`, `VLLM_PLE_QUANT_DIR`",
              (T + "test_every_pled_variable_the_docs_name_is_read_or_written_somewhere",)),
     # A higher package version (issue 47.6).
     Mutation("a VERSION build without its changelog entry", "tools/deb.sh",
