@@ -11,7 +11,7 @@ from pled import __version__, makers
 from pled.daemon.health import journal, logs
 from pled.shared import config_file
 from pled.shared.boundary import say
-from pled.shared.errors import EX_CONFIG, EX_INTERRUPTED, EX_NOT_RUNNING, EX_UNAVAILABLE, PledError
+from pled.shared.errors import EX_CONFIG, EX_INTERRUPTED, EX_NOPERM, EX_NOT_RUNNING, EX_UNAVAILABLE, PledError
 from pled.shared.layouts import LAYOUTS
 
 log = logging.getLogger("pled")
@@ -61,7 +61,8 @@ def _call(args, method: str, command: str) -> tuple[dict | None, int]:
         return client.call(method, socket=_socket_for(args), timeout=args.timeout), 0
     except client.ClientError as err:
         say(f"pled {command}: {err}", file=sys.stderr)
-        return None, EX_NOT_RUNNING if isinstance(err, client.DaemonUnavailable) else 1
+        return None, (EX_NOT_RUNNING if isinstance(err, client.DaemonUnavailable) else
+                      EX_NOPERM if isinstance(err, client.PermissionDenied) else 1)
 
 
 def _status(args) -> int:
@@ -134,6 +135,11 @@ def _show_status(args, st: dict) -> int:
                          "its own 2 MiB boundary; `pled status --json` lists them)")
         if t.get("error"):
             notes.append(f"{t['table']}: {t['error']}")
+        if t.get("sources") not in (None, "unchanged"):  # served as staged; the disk may no longer say the same
+            notes.append(f"{t['table']}: served as staged, but its source files " + (
+                f"could not be checked ({t['sources'][13:]})" if t["sources"].startswith("not checked: ") else
+                f"are not as pled staged them ({t['sources']}): `pled verify {t['table']}` compares them, "
+                "`pled reload` stages what is there now"))
         if t.get("gpu_access") == "writable":
             m = t.get("modification") or {}
             writers = ", ".join(f"pid {p}" for p in m.get("writers") or []) or "none"

@@ -22,7 +22,7 @@ from pled.shared import protocol
 from pled.shared.boundary import BoundaryError, open_regular, say
 from pled.shared.digests import HEX_LENGTH, hash_bytes
 from pled.shared.dropbehind import DropBehind
-from pled.shared.errors import EX_NOT_RUNNING
+from pled.shared.errors import EX_NOPERM, EX_NOT_RUNNING
 from pled.shared.sizes import gib, rate
 
 CHUNK = 16 * 1024 * 1024
@@ -139,7 +139,7 @@ def _compare(fd: int, piece, buf: memoryview, prefix: str, out, behind: DropBehi
 
 def verify(socket: str, table: str | None = None, out=sys.stdout) -> int:
     """Every table (or ``table``), each to its end whatever another one gave: 0 all identical, 1 any difference or
-    a table that could not be verified (each named on stderr), 3 pled not running."""
+    a table that could not be verified (each named on stderr), 3 pled not running, 77 this user may not ask."""
     try:
         names: list = [table]
         if not table:
@@ -154,7 +154,7 @@ def verify(socket: str, table: str | None = None, out=sys.stdout) -> int:
         for name in names:
             try:
                 ok = _verify_table(socket, name, out) and ok
-            except client.DaemonUnavailable:
+            except (client.DaemonUnavailable, client.PermissionDenied):
                 raise
             except (client.ClientError, OSError) as err:  # this table: not ready, gone, a file it cannot read
                 say(_why(err), file=sys.stderr)
@@ -163,6 +163,9 @@ def verify(socket: str, table: str | None = None, out=sys.stdout) -> int:
     except client.DaemonUnavailable as err:
         say(f"pled verify: {err}", file=sys.stderr)
         return EX_NOT_RUNNING
+    except client.PermissionDenied as err:  # not a difference: this user may not ask
+        say(f"pled verify: {err}", file=sys.stderr)
+        return EX_NOPERM
     except client.ClientError as err:
         say(f"pled verify: {err}", file=sys.stderr)
         return 1
