@@ -58,22 +58,29 @@ def test_a_block_without_a_marker_is_found(tmp_path):
 
 # -- the blocks that run -------------------------------------------------------------------------------------------
 
-def _param(b: Block):
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+
+
+def _params(b: Block):
+    """Each run block with .venv's interpreter; a Python block also in vLLM's environment (.venv-vllm: pled's client
+    beside vLLM's own torch), where operations.md says to run it."""
     marks = [pytest.mark.daemon, pytest.mark.slow] if b.tables() else []  # a pled, and torch for python
-    return pytest.param(b, id=b.where, marks=marks)
+    yield pytest.param(b, sys.executable, id=b.where, marks=marks)
+    if b.lang == "python":
+        yield pytest.param(b, str(VLLM_PYTHON), id=f"{b.where} in vLLM's environment", marks=[*marks, pytest.mark.vllm])
 
 
-RUN = [_param(b) for b in BLOCKS if b.marker == "run"]
+RUN = [p for b in BLOCKS if b.marker == "run" for p in _params(b)]
 
 
-@pytest.mark.parametrize("block", RUN)
-def test_a_run_block_runs(block: Block, tmp_path):
+@pytest.mark.parametrize(("block", "python"), RUN)
+def test_a_run_block_runs(block: Block, python: str, tmp_path):
     assert block.lang in ("python", "sh", "bash", "console"), f"{block.where}: no way to run ```{block.lang}"
     needs = [c for w in block.args.split() if w.startswith("needs=") for c in w[len("needs="):].split(",")]
     missing = [c for c in needs if not shutil.which(c)]
     if missing:
         pytest.skip(f"{block.where} needs {', '.join(missing)}, not installed here")
-    env = clean_env(PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    env = clean_env(PATH=f"{Path(python).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     env.pop("PLED_SOCKET", None)
     env.pop("PLED_CONFIG", None)
     daemon = None
@@ -89,7 +96,7 @@ def test_a_run_block_runs(block: Block, tmp_path):
     if "cwd=checkout" in block.args.split():  # a block that reads the checkout (and writes nothing)
         work = ROOT
     if block.lang == "python":
-        cmd = [sys.executable, "-c", block.text]
+        cmd = [python, "-c", block.text]
     else:
         cmd = ["bash", "--noprofile", "--norc", "-e", "-o", "pipefail", "-c", block.text]
     r = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=120)
