@@ -352,3 +352,15 @@ def test_every_pled_variable_the_docs_name_is_read_or_written_somewhere():
     assert "PLED_SOCKET" in named
     wrong = sorted(v for v in named if not re.search(rf"\b{v}\b", code))
     assert not wrong, f"named in the docs, used nowhere: {wrong}"
+
+
+def test_the_readmes_exit_table_has_a_row_for_every_status_pled_defines():
+    """Each EX_... = N in pled's code (pled/shared/errors.py, and a command's own, such as gpu-check's 4) is a row
+    of README.md's table of exit statuses, so that a status a command returns is one an operator can look up."""
+    defined = {int(n): name for p in ROOT.glob("pled/**/*.py")
+               for name, n in re.findall(r"^(EX_[A-Z_]+) = (\d+)\b", p.read_text(), flags=re.M)}
+    assert {0, 1, 78} <= set(defined), defined
+    text = (ROOT / "README.md").read_text()
+    rows = {int(n) for n in re.findall(r"^\| (\d+) \| ", text[text.index("Exit status:"):], flags=re.M)}
+    missing = {n: name for n, name in defined.items() if n not in rows}
+    assert not missing, f"README.md's exit statuses have no row for {missing}"

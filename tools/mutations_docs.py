@@ -88,6 +88,9 @@ MUTATIONS = [
     Mutation("the docs name a variable pled never reads", "docs/operations.md",
              "`PLED_AUTOLOAD=0`, `VLLM_PLE_QUANT_DIR`", "`PLED_AUTOLOADS=0`, `VLLM_PLE_QUANT_DIR`",
              (T + "test_every_pled_variable_the_docs_name_is_read_or_written_somewhere",)),
+    Mutation("README's exit statuses without gpu-check's 4", "README.md", "| 4 | `gpu-check`: no CUDA device",
+             "| 5 | `gpu-check`: no CUDA device",
+             (T + "test_the_readmes_exit_table_has_a_row_for_every_status_pled_defines",)),
     # A higher package version (issue 47.6).
     Mutation("a VERSION build without its changelog entry", "tools/deb.sh",
              "  if [ -n \"$version\" ]; then\n    printf 'pled (%s) bookworm",
