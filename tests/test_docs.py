@@ -120,12 +120,11 @@ def test_a_config_block_is_a_config_pled_accepts(block: Block):
 
 # -- the commands and options the docs name ----------------------------------------------------------------------
 
-def test_every_pled_command_and_option_the_docs_name_exists():
+def wrong_commands(found: list[docblocks.Mention]) -> list[str]:
+    """Each mention whose command, option or option value pled's parser does not have."""
     subs = subparsers()
     top = options(pled_parser())
     wrong = []
-    found = docblocks.mentions()
-    assert len(found) > 50, found  # the scan finds the docs' commands
     for m in found:
         command, *rest = m.words
         if command not in subs:
@@ -143,6 +142,36 @@ def test_every_pled_command_and_option_the_docs_name_exists():
             value = word.split("=", 1)[1] if "=" in word else (rest[k + 1] if k + 1 < len(rest) else None)
             if action.choices and value and re.fullmatch(r"[a-z][\w.-]*", value) and value not in action.choices:
                 wrong.append(f"{m.where}: pled {command} {name} takes {sorted(action.choices)}, not {value}")
+    return wrong
+
+
+def test_every_pled_command_and_option_the_docs_name_exists():
+    found = docblocks.mentions()
+    assert len(found) > 50, found  # the scan finds the docs' commands
+    wrong = wrong_commands(found)
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_pled_command_the_units_and_recipes_run_exists():
+    """units/ (the catalog's advice too) and deploy/ (HEALTHCHECK, probes, init containers) run pled commands: each
+    is one pled's parser has, with options it has. An exec form (["pled", "status", ...]) is read as its words."""
+    found = []
+    for path in [*ROOT.glob("units/**/*"), *ROOT.glob("deploy/**/*"), *ROOT.glob("debian/*")]:
+        if not path.is_file() or path.suffix in (".md",):
+            continue
+        text = path.read_text(errors="replace")
+        text = re.sub(r'\[\s*"((?:[^"\]]*/)?pled)"((?:\s*,\s*"[^"]*")*)\s*\]',
+                      lambda m: " ".join([m[1], *re.findall(r'"([^"]*)"', m[2])]), text)
+        text = re.sub(r"^Exec\w+=[-+@!:]*", "", text, flags=re.M)  # a unit's ExecStart=... runs what follows
+        rel = str(path.relative_to(ROOT))
+        if path.suffix in (".service", ".conf", ".yaml", ".yml", ".sh") or "Containerfile" in path.name \
+                or path.name.endswith(("postinst", "prerm", "postrm", "rules")):  # what runs, not prose
+            found += docblocks.commands_in_block(rel, text)
+        for n, line in enumerate(text.splitlines(), 1):
+            found += docblocks.commands_in_prose(f"{rel}:{n}", line)
+    commands = {m.words[0] for m in found}
+    assert {"serve", "status", "reload"} <= commands, found  # the units', the Containerfile's, the probes' were read
+    wrong = wrong_commands(found)
     assert not wrong, "\n".join(wrong)
 
 

@@ -61,6 +61,12 @@ MUTATIONS = [
     Mutation("a file of the checkout the docs name that is not there", "docs/operations.md",
              "install -m 644 units/pled.service /etc/systemd/system/",
              "install -m 644 units/pled.unit /etc/systemd/system/", (FILES,)),
+    Mutation("a Kubernetes probe runs a pled option that does not exist", "deploy/kubernetes/base/pled-daemonset.yaml",
+             '"pled", "status", "--live"', '"pled", "status", "--alive"',
+             (T + "test_every_pled_command_the_units_and_recipes_run_exists",)),
+    Mutation("pled.service reloads with a command pled does not have", "units/pled.service",
+             "ExecReload=/usr/lib/pled/bin/pled reload", "ExecReload=/usr/lib/pled/bin/pled restage",
+             (T + "test_every_pled_command_the_units_and_recipes_run_exists",)),
     # --help and the README's table of commands.
     Mutation("pled status --timeout's help without its default", "pled/cli.py",
              "help=\"seconds to wait for pled's answer before exit 3 (default %(default)s)\")",
