@@ -51,7 +51,7 @@ test: $(BIN)/pled vllm-env
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The fast lane: every test that needs no daemon, root or vLLM and is not slow (the markers: pyproject.toml,
-# tests/conftest.py); under a minute here.
+# tests/conftest.py); 600 tests, about 3 minutes on this 2-core machine shared with other work.
 test-fast: $(BIN)/pled
 	$(BIN)/python -m pytest -m "not daemon and not root and not vllm and not slow" $(PYTEST_ARGS)
 
@@ -116,7 +116,7 @@ bench: $(BIN)/pled
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_033) build *.egg-info
 
-# The device check (issue 31, item 4; bench/device_check.py): pled's sealed region registered Mapped|ReadOnly with a
+# The device check (issue 31, item 4; bench/device/check.py): pled's sealed region registered Mapped|ReadOnly with a
 # GPU on 4 KiB, THP and hugetlb pages, looked up by vLLM 0.33's carried kernels (bench/ple_kernels.py) against pled's
 # reference and against upstream's private pinned copy, a GPU write faulting, two processes' memory. Here, without
 # CUDA, it says so in one line (and in its JSON) and exits 0, then prints the device tool's run call and the bytes
@@ -124,12 +124,12 @@ clean:
 #   run(carry=[".whl"], timeout_s=360, command=
 #     set -o pipefail; python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade
 #     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; PYTHONUNBUFFERED=1 timeout -s INT 320
-#     python3 -m bench.device_check 2>&1 | tee "$OUT/device_check.log")
-# (one line; `python -m bench.device_check --plan` prints it exactly). Figures: $OUT/device_check.json.
+#     python3 -m bench.device.check 2>&1 | tee "$OUT/device_check.log")
+# (one line; `python -m bench.device.check --plan` prints it exactly). Figures: $OUT/device_check.json.
 .PHONY: device-check device-wheels
 device-check: $(BIN)/pled
-	$(BIN)/python -m bench.device_check $(DEVICE_ARGS)
-	$(BIN)/python -m bench.device_check --plan
+	$(BIN)/python -m bench.device.check $(DEVICE_ARGS)
+	$(BIN)/python -m bench.device.check --plan
 
 # pled's daemon needs pydantic, which the device image lacks: its wheels for CPython 3.12 on x86-64, one version of
 # each (as .venv resolves them), into .whl/ (git-ignored; carried by the run call above, about 3 MB).

@@ -24,21 +24,16 @@ import time
 from pathlib import Path
 
 from bench import hugepages, offload, ple033, report, soak, status_cli, table_gather  # sections 5-10, by number
+from bench.common import SHMEM, cpu_busy, log, settle  # noqa: F401 (shared: bench/common.py)
 from pled.daemon.regions import staging
 from pled.daemon.sources.sidecar import open_table
 from pled.generator import make_sidecar
-from pled.shared.hugepages import THP
 from pled.shared.pagecache import cached_bytes
 from tests.harness import Daemon, start  # the tests' way to start pled: python -m bench runs from the repository root
 
 GiB = 1024**3
 MiB = 1024**2
 ROOT = Path(__file__).resolve().parent.parent
-SHMEM = Path(THP) / "shmem_enabled"
-
-
-def log(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def summary(values: list[float]) -> dict:
@@ -197,22 +192,6 @@ def populate_per_gib(sock: str, table: str, runs: int) -> list[float]:
 
 
 # -- 3. cold-start gathers -----------------------------------------------------------------------
-
-def cpu_busy(seconds: float = 1.0) -> float:
-    def sample():
-        fields = [int(x) for x in open("/proc/stat").readline().split()[1:]]
-        return sum(fields), fields[3] + fields[4]  # total, idle + iowait
-    t0, i0 = sample()
-    time.sleep(seconds)
-    t1, i1 = sample()
-    return 1 - (i1 - i0) / max(1, t1 - t0)
-
-
-def settle(limit: float = 60.0) -> None:
-    """Wait until the machine is quiet (kcompactd and khugepaged work on after a huge-page staging)."""
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline and cpu_busy() > 0.2:
-        pass
 
 def gather_run(args: list[str], requests: int, ids: int) -> dict:
     r = subprocess.run([sys.executable, "-m", "bench.gather_worker", *args, "--requests", str(requests),

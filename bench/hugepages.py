@@ -37,17 +37,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 from bench import report, table_gather
+from bench.common import HUGEPAGES, SHMEM, NotMeasured, host_settings, reserve, settle, shmem_enabled  # noqa: F401
 
 GiB = 1024**3
 MiB = 1024**2
 KiB = 1024
 ROOT = Path(__file__).resolve().parent.parent
-HUGEPAGES = Path("/sys/kernel/mm/hugepages")
-SHMEM = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
 TABLE = "ples_int4"
 
 COLUMNS = {  # the column's name -> its config keys
@@ -62,53 +61,12 @@ POOLS = {"hugetlb 2 MiB": 2 * MiB, "hugetlb 1 GiB": GiB}
 TARGETS = {"populate_ms_per_gib": {"hugetlb 1 GiB": 1, "hugetlb 2 MiB": 4}, "pte_kib_per_gib": 64}
 
 
-class NotMeasured(Exception):
-    """Why a column could not be measured on this host (said in the report instead of a figure)."""
-
-
 def _log(msg: str) -> None:
     print(f"[bench.hugepages {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def _summary(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
-
-
-# -- the host: pools and shmem_enabled, put back whatever happens ------------------------------------------
-
-def host_settings() -> dict[str, str]:
-    """What this benchmark may change and must put back: every pool's size, and shmem_enabled."""
-    out = {d.name: (d / "nr_hugepages").read_text().strip() for d in sorted(HUGEPAGES.glob("hugepages-*"))}
-    if SHMEM.exists():
-        out["shmem_enabled"] = SHMEM.read_text().strip()
-    return out
-
-
-@contextlib.contextmanager
-def reserve(pages: int, page_size: int) -> Iterator[int]:
-    """tests/hugepool.py's ``raised_pool`` (pools raised, then read back as they were), NotMeasured where the pool
-    cannot be raised here."""
-    from tests.hugepool import PoolUnavailable, raised_pool
-
-    try:
-        with raised_pool(pages, page_size) as given:
-            yield given
-    except PoolUnavailable as err:
-        raise NotMeasured(str(err)) from err
-
-
-@contextlib.contextmanager
-def shmem_enabled(value: str) -> Iterator[str]:
-    """shmem_enabled set to ``value`` and put back afterwards, whatever happens (as bench/__main__.py's)."""
-    old = next(w[1:-1] for w in SHMEM.read_text().split() if w.startswith("["))
-    try:
-        SHMEM.write_text(value)
-    except OSError as err:
-        raise NotMeasured(f"cannot set {SHMEM} to {value} ({err.strerror})") from err
-    try:
-        yield old
-    finally:
-        SHMEM.write_text(old)
 
 
 # -- the sidecar ------------------------------------------------------------------------------------------
@@ -426,8 +384,6 @@ def main() -> int:
     p.add_argument("--workdir", default="/var/tmp")
     p.add_argument("--json", help="write the results here")
     a = p.parse_args()
-    from bench.__main__ import settle
-
     work = Path(tempfile.mkdtemp(prefix="pled-bench-hp-", dir=a.workdir))
     try:
         res = {"hugepages": bench(work, a.repeats, a.requests, a.ids, None if a.no_settle else settle,

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""vLLM 0.33.0's two PLE lookup kernels, with the decoders they call, carried for bench/device_check.py.
+"""vLLM 0.33.0's two PLE lookup kernels, with the decoders they call, carried for bench/device/check.py.
 
 Carried from vLLM 0.33.0 (https://github.com/vllm-project/vllm, the ``vllm==0.33.0`` wheel), under the Apache
 License 2.0 (pled's own licence too: LICENSE); copyright the contributors to the vLLM project. The device machine

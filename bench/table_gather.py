@@ -229,7 +229,7 @@ def main() -> int:
     import shutil
     import tempfile
 
-    from bench.__main__ import SHMEM, log, settle, shmem_enabled
+    from bench.common import SHMEM, log, settle, shmem_enabled
     from pled.generator import make_sidecar
     from tests.harness import start
 

@@ -11,7 +11,7 @@ from pled import __version__, makers
 from pled.daemon.health import journal, logs
 from pled.shared import config_file
 from pled.shared.boundary import say
-from pled.shared.errors import EX_CONFIG, EX_INTERRUPTED, EX_NOT_RUNNING, EX_UNAVAILABLE, PledError
+from pled.shared.errors import EX_CONFIG, EX_INTERRUPTED, EX_NOPERM, EX_NOT_RUNNING, EX_UNAVAILABLE, PledError
 from pled.shared.layouts import LAYOUTS
 
 log = logging.getLogger("pled")
@@ -53,15 +53,16 @@ def _serve(args) -> int:
     return Daemon(config).run()
 
 
-def _call(args, method: str, command: str) -> tuple[dict | None, int]:
+def _call(args, method: str, command: str, **params) -> tuple[dict | None, int]:
     """One call to the daemon for a command: (reply, 0), or (None, exit status) with the error printed."""
     from pled import client
 
     try:
-        return client.call(method, socket=_socket_for(args), timeout=args.timeout), 0
+        return client.call(method, socket=_socket_for(args), timeout=args.timeout, **params), 0
     except client.ClientError as err:
         say(f"pled {command}: {err}", file=sys.stderr)
-        return None, EX_NOT_RUNNING if isinstance(err, client.DaemonUnavailable) else 1
+        return None, (EX_NOT_RUNNING if isinstance(err, client.DaemonUnavailable) else
+                      EX_NOPERM if isinstance(err, client.PermissionDenied) else 1)
 
 
 def _status(args) -> int:
@@ -134,6 +135,11 @@ def _show_status(args, st: dict) -> int:
                          "its own 2 MiB boundary; `pled status --json` lists them)")
         if t.get("error"):
             notes.append(f"{t['table']}: {t['error']}")
+        if t.get("sources") not in (None, "unchanged"):  # served as staged; the disk may no longer say the same
+            notes.append(f"{t['table']}: served as staged, but its source files " + (
+                f"could not be checked ({t['sources'][13:]})" if t["sources"].startswith("not checked: ") else
+                f"are not as pled staged them ({t['sources']}): `pled verify {t['table']}` compares them, "
+                "`pled reload` stages what is there now"))
         if t.get("gpu_access") == "writable":
             m = t.get("modification") or {}
             writers = ", ".join(f"pid {p}" for p in m.get("writers") or []) or "none"
@@ -203,7 +209,8 @@ def _verify(args) -> int:
     from pled.shared import protocol
     from pled.verify import verify
 
-    code = verify(_socket_for(args), args.table)
+    differ: list[str] = []
+    code = verify(_socket_for(args), args.table, failed=differ)
     if not args.repair or code == EX_NOT_RUNNING:
         return code
     # --repair: a table that differs (its files, or a writable table a writer changed) is staged anew as a clean
@@ -216,12 +223,15 @@ def _verify(args) -> int:
     tables = status.get("tables")
     listed: list = tables if isinstance(tables, list) else []
     modified = [t.get("table") for t in listed if isinstance(t, dict) and t.get("modified") is True]
+    # a writable table this verify found changed, which the scheduled verify may not have seen yet: staged anew too
+    writable = {t.get("table") for t in listed if isinstance(t, dict) and t.get("gpu_access") == "writable"}
+    restage = sorted(name for name in differ if name in writable)
     if code == 0 and not modified:
         say("pled verify --repair: nothing to repair")
         return 0
-    result, failed = _call(args, protocol.RELOAD, "verify --repair")
+    result, status_code = _call(args, protocol.RELOAD, "verify --repair", **({"restage": restage} if restage else {}))
     if result is None:
-        return failed
+        return status_code
     try:
         _show_reload(result)
     except UNREADABLE as err:
@@ -287,6 +297,14 @@ def parser() -> argparse.ArgumentParser:
                    help="where a table differs, have pled stage a clean generation for new attaches (a reload; root "
                         "or pled's user); exit 0 once it is staged")
     s.set_defaults(func=_verify)
+
+    s = sub.add_parser("gpu-check", parents=[daemon],
+                       help="as the vLLM user on the GPU host: what each device supports, the route each table takes "
+                            "and why (operations.md, \"What a GPU must support\"); exit 4 without a device")
+    s.add_argument("--json", action="store_true", help="the probe, each table's route and why, as one JSON document "
+                                                       "(default: lines of text)")
+    s.set_defaults(func=lambda args: __import__("pled.client.gpu.check", fromlist=["run"]).run(_socket_for(args),
+                                                                                             args.json))
 
     makers.add_commands(sub, layouts)
     return p

@@ -53,12 +53,12 @@ def add_commands(sub, layouts) -> None:
     s.add_argument("--seed", type=int, default=0, help="the random generator's seed (default %(default)s)")
     s.add_argument("--no-index", action="store_true", help="write no model.safetensors.index.json (default: write it)")
     s.add_argument("--kind", default="ple", choices=("ple", "engram"),
-                   help="ple: Qwen4Exp PLE tables (--dtype, --rows, --width, --parts); engram: DeepSeek V4.1 Engram "
-                        "tables, layers 1 and 3, 4 hash heads each of prime sizes above --engram-vocab, 256 F8_E4M3 "
-                        "values and 8 F8_E8M0 scales a row, beside other tensors, with config.json (default "
-                        "%(default)s)")
+                   help="ple: Qwen4Exp PLE tables, shaped by the dtype, rows, width and parts options; engram: "
+                        "DeepSeek V4.1 Engram tables, layers 1 and 3, 4 hash heads each of prime sizes above the "
+                        "engram vocabulary below, 256 F8_E4M3 values and 8 F8_E8M0 scales a row, beside other "
+                        "tensors, with config.json (default %(default)s)")
     s.add_argument("--engram-vocab", type=int, default=50,
-                   help="with --kind engram: engram_vocab_size, each hash head's base size (default %(default)s)")
+                   help="for the engram kind: engram_vocab_size, each hash head's base size (default %(default)s)")
     s.set_defaults(func=make_checkpoint)
 
 

@@ -1,7 +1,9 @@
 """A read-only FUSE pass-through of one directory that hangs on demand, as an NFS or FUSE mount does when its
 server stops answering: while the file FLAG exists (outside the mount), every getattr, open and read of a
 path below the root waits until FLAG is removed. Each call that starts waiting appends a line ("getattr
-/shard_0.safetensors") to FLAG + ".calls", so a test knows a call reached the file system and is held.
+/shard_0.safetensors") to FLAG + ".calls", so a test knows a call reached the file system and is held. A FLAG
+that holds a number N holds only the reads of bytes at N or past it: a file's header (its first bytes) reads, its
+data waits (a staging held, its planning not).
 
 A held call the kernel interrupts (its process is killed, or exits with the call in flight) gets EINTR, as
 an NFS mount's killable waits give: without that, the kernel waits for the answer even for a dying process
@@ -30,8 +32,15 @@ class BlockFS(fuse.Operations):
     def _path(self, path: str) -> str:
         return os.path.join(self.root, path.lstrip("/"))
 
-    def _hold(self, what: str, path: str) -> None:
+    def _hold(self, what: str, path: str, offset: int | None = None) -> None:
         if path == "/" or not os.path.exists(self.flag):
+            return
+        try:
+            with open(self.flag) as f:
+                text = f.read().strip()
+        except FileNotFoundError:
+            return
+        if text and (offset is None or offset < int(text)):
             return
         with self._lock, open(self.flag + ".calls", "a") as f:
             f.write(f"{what} {path}\n")
@@ -57,7 +66,7 @@ class BlockFS(fuse.Operations):
         return os.open(self._path(path), os.O_RDONLY)
 
     def read(self, path, size, offset, fh):
-        self._hold("read", path)
+        self._hold("read", path, offset + size - 1)
         return os.pread(fh, size, offset)
 
     def release(self, path, fh):

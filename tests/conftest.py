@@ -10,6 +10,8 @@ What starts pled, talks to it or stands in for systemd lives in tests/harness.py
 """
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -137,3 +139,37 @@ def memcg():
                 break
             except OSError:
                 time.sleep(0.1)  # the last task is still leaving
+
+
+@pytest.fixture
+def blockfs(tmp_path):
+    """mount(source) -> (mountpoint, flag): a FUSE pass-through of ``source`` (tests/blockfs.py) whose getattr, open
+    and read hang while ``flag`` exists (only reads past byte N where it holds N); each call that hangs adds a line
+    to ``flag``.calls (harness.blocked_calls reads them)."""
+    harness.require_fuse()
+    mounts = []
+
+    def mount(source: Path) -> tuple[Path, Path]:
+        point, flag = tmp_path / f"fuse{len(mounts)}", tmp_path / f"block{len(mounts)}"
+        point.mkdir()
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "blockfs.py"), str(source), str(point),
+                                 str(flag)], stderr=subprocess.PIPE, text=True)
+        mounts.append((point, flag, proc))
+        deadline = time.monotonic() + 20
+        while not os.path.ismount(point):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.skip("could not mount FUSE here: "
+                            + (proc.stderr.read() if proc.poll() is not None else "timeout"))
+            time.sleep(0.05)
+        return point, flag
+
+    yield mount
+    for point, flag, proc in mounts:
+        flag.unlink(missing_ok=True)  # first: whatever waits in the file system goes on
+        if subprocess.run(["fusermount3", "-u", str(point)], capture_output=True).returncode != 0:
+            subprocess.run(["fusermount3", "-u", "-z", str(point)], capture_output=True)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -333,6 +333,18 @@ def require_fuse() -> None:
         pytest.skip("needs /dev/fuse and root")
 
 
+def blocked_calls(flag: Path, at_least: int = 1, timeout: float = 5) -> list[str]:
+    """The calls the file system holds, once there are ``at_least`` of them."""
+    calls = Path(f"{flag}.calls")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = calls.read_text().splitlines() if calls.exists() else []
+        if len(lines) >= at_least:
+            return lines
+        time.sleep(0.02)
+    raise AssertionError(f"no call reached the file system within {timeout} s")
+
+
 def drop_page_cache(files) -> None:
     """POSIX_FADV_DONTNEED on each file: they leave the page cache, nothing else does."""
     for f in files:

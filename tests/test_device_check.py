@@ -1,4 +1,4 @@
-"""The device check (bench/device_check.py, `make device-check`) on this machine, which has no GPU: it exits 0
+"""The device check (bench/device/check.py, `make device-check`) on this machine, which has no GPU: it exits 0
 saying so in one line and in its JSON; its run call for the device tool fits the tool's limits; the kernels it
 carries from vLLM 0.33.0 name their source and licence, are vLLM's text, and compute what pled's reference says
 (run by Triton's CPU interpreter); the decoders they use read the bytes as pled's numpy reference does.
@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench import device_check, device_lookup
+from bench.device import check as device_check, lookup as device_lookup
 from pled.shared import dequant
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,7 +32,7 @@ CARRIED = {  # the function, and the vLLM 0.33.0 file it comes from
 
 def test_without_cuda_it_says_so_and_exits_0(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path)}  # the device tool's variable: the JSON goes there
-    done = subprocess.run([sys.executable, "-m", "bench.device_check"], cwd=ROOT, env=env, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "bench.device.check"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
@@ -43,13 +43,13 @@ def test_without_cuda_it_says_so_and_exits_0(tmp_path):
 
 
 def test_the_run_call_fits_the_device_tool():
-    done = subprocess.run([sys.executable, "-m", "bench.device_check", "--plan"], cwd=ROOT, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "bench.device.check", "--plan"], cwd=ROOT, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout)
     run, travel = plan["run"], plan["travel"]
     assert run == device_check.RUN and len(run["command"]) <= 2000 and len(run["carry"]) <= 8
-    assert run["timeout_s"] <= 600 and "-m bench.device_check" in run["command"]
+    assert run["timeout_s"] <= 600 and "-m bench.device.check" in run["command"]
     assert travel["total"] < travel["limit"] == 64 << 20
     assert travel["tracked"] > 0 and set(travel["carried"]) == {".whl"}
 
@@ -143,7 +143,7 @@ def test_vllms_decoders_read_every_code_as_pleds_reference():
 def test_vllms_nvfp4_lookup_layout_is_pleds_reference():
     """The nvfp4 kernel's indexing (the low nibble the even element, one e4m3 scale per 16 elements, the global
     scale, zero rows outside the rank), written out in numpy over the whole table, equals the reference the device
-    check holds the GPU to (bench/device_lookup.py, pled's dequantizer)."""
+    check holds the GPU to (bench/device/lookup.py, pled's dequantizer)."""
     rng = np.random.default_rng(5)
     rows, width, lo, hi = 300, 64, 100, 200
     weight = rng.integers(0, 256, (rows, width // 2), dtype=np.uint8)

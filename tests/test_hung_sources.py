@@ -2,68 +2,21 @@
 `pled serve`: Status, Attach and SIGTERM go on working while it hangs, after staging (the Status check of the
 sources runs in a worker, one at a time) and during staging (SIGTERM closes the listener first and waits a
 few seconds at most for the staging thread, then names the table it abandons)."""
-import os
 import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from harness import Daemon, require_fuse, wait_until, write_config
+from harness import Daemon, blocked_calls, wait_until, write_config
 from pled import client
 from pled.daemon import tables
 from pled.shared import protocol
 
 pytestmark = [pytest.mark.daemon, pytest.mark.root]  # root: the FUSE mounts
-
-
-@pytest.fixture
-def blockfs(tmp_path):
-    """mount(source) -> (mountpoint, flag): a FUSE pass-through of ``source`` whose getattr, open and read hang
-    while ``flag`` exists; each call that hangs adds a line to ``flag``.calls."""
-    require_fuse()
-    mounts = []
-
-    def mount(source: Path) -> tuple[Path, Path]:
-        point, flag = tmp_path / f"fuse{len(mounts)}", tmp_path / f"block{len(mounts)}"
-        point.mkdir()
-        proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "blockfs.py"), str(source), str(point),
-                                 str(flag)], stderr=subprocess.PIPE, text=True)
-        mounts.append((point, flag, proc))
-        deadline = time.monotonic() + 20
-        while not os.path.ismount(point):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.skip("could not mount FUSE here: "
-                            + (proc.stderr.read() if proc.poll() is not None else "timeout"))
-            time.sleep(0.05)
-        return point, flag
-
-    yield mount
-    for point, flag, proc in mounts:
-        flag.unlink(missing_ok=True)  # first: whatever waits in the file system goes on
-        if subprocess.run(["fusermount3", "-u", str(point)], capture_output=True).returncode != 0:
-            subprocess.run(["fusermount3", "-u", "-z", str(point)], capture_output=True)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def blocked_calls(flag: Path, at_least: int = 1, timeout: float = 5) -> list[str]:
-    """The calls the file system holds, once there are ``at_least`` of them."""
-    calls = Path(f"{flag}.calls")
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        lines = calls.read_text().splitlines() if calls.exists() else []
-        if len(lines) >= at_least:
-            return lines
-        time.sleep(0.02)
-    raise AssertionError(f"no call reached the file system within {timeout} s")
 
 
 def timed(fn, *args, **kw):

@@ -223,3 +223,56 @@ def test_configured_but_unreachable_fails_the_load_with_pleds_message_or_falls_b
         rec = report["cases"]["dead"]["layers"][str(layer)]
         assert "error" not in rec and rec["equal_to_upstream"] == {n: True for n in rec["digests"]}
     assert sum("cannot attach" in line for line in report["stderr"].splitlines()) == 1  # one warning a process
+
+
+ATS = {"99": 1, "113": 0, "88": 1, "100": 1}  # Grace / GB10: pageable memory through the host's page tables
+BARE = {"99": 1, "113": 0, "88": 0, "100": 0}  # B300, RTX PRO 6000 without HMM: registration, not read-only
+
+
+def test_the_seam_takes_each_gpu_route_and_never_a_private_copy(served, tmp_path, daemon):
+    """vLLM 0.33's own PLE classes through each of pled.client.gpu's routes, only CUDA faked (the device's attributes
+    and registration results: pled.client.gpu.use(FakeCuda())): read-only registration refused with 801 then pageable
+    access (ATS), pageable access outright, and the writable route from a writer of a gpu_access = "writable" table.
+    Each rank's tables are pled's pages, equal to upstream's, and what vLLM's lookup reads (its UVA views) is at
+    pled's address: on the pageable route nothing is registered and no anonymous mapping as large as a slice
+    appears; on the writable route the whole mapping is registered Mapped, then made read-only in this process."""
+    pled, dirs, _ = served
+    writable = daemon({"w": {"checkpoint": dirs["nvfp4"], "gpu_access": "writable", "writers": [os.geteuid()],
+                             "verify_interval": 3600}}, headroom_margin="64MiB")
+    on = {"PLED_SOCKET": pled.socket}
+    cases = [{"name": f"pageable {d}", "dtype": d, "checkpoint": str(dirs[d]), "layers": [0], "env": on,
+              "attrs": ATS, "upstream": True} for d in DTYPES]
+    cases += [{"name": "801 then pageable", "dtype": "fp8", "checkpoint": str(dirs["fp8"]), "layers": [1], "env": on,
+               "attrs": ATS | {"113": 1}, "refuse": 801, "refuse_flags": [0x0A]},
+              {"name": "writable", "dtype": "nvfp4", "checkpoint": str(dirs["nvfp4"]), "layers": LAYERS,
+               "env": {"PLED_SOCKET": writable.socket}, "attrs": BARE, "upstream": True}]
+    (report,) = run_world(1, TEXT, cases)
+    for name, case in report["cases"].items():
+        for layer, rec in case["layers"].items():
+            assert "error" not in rec, (name, layer, rec.get("traceback"))
+            if "equal_to_upstream" in rec:
+                assert rec["equal_to_upstream"] == {n: True for n in rec["digests"]}, (name, rec["equal_to_upstream"])
+            assert rec["uva_private_copies"] == [], name
+            for pname, p in rec["params"].items():
+                assert p["ptr"] == p["storage"] == p["expected"], (name, pname, p)
+                assert p["uva"] == p["ptr"], (name, pname, p)  # the lookup reads pled's pages, at their address
+            smallest = min(p["nbytes"] for p in rec["params"].values())
+            if name == "writable":  # the whole mapping registered Mapped (no ReadOnly), then read-only here
+                assert all(p["pinned"] and p["mapping"].startswith("r--s /memfd:pled:w") for p in
+                           rec["params"].values()), rec["params"]
+                assert all(flags == 0x02 for _, _, flags in rec["calls"]), rec["calls"]
+            else:  # pageable: nothing registered, no copy, the device view made at the host address
+                assert not any(p["pinned"] for p in rec["params"].values()), (name, rec["params"])
+                # the 801 case: read-only registration tried once for the table, refused, never tried again
+                assert [c[2] for c in rec["calls"]] == ([0x0A] if name.startswith("801") else []), (name, rec["calls"])
+                assert sorted(a[0] for a in rec["aliases"]) == sorted(p["ptr"] for p in rec["params"].values())
+                assert all(n < smallest for n in rec["new_anonymous_mappings"]), (name, rec["new_anonymous_mappings"])
+                assert rec["rss_anon_growth"] < smallest / 2, (name, rec["rss_anon_growth"], smallest)
+    calls = [c for layer in report["cases"]["writable"]["layers"].values() for c in layer["calls"]]
+    assert len(calls) == 1 and calls[0][2] == 0x02, calls  # the whole mapping once, for both layers' four slices
+    lines = [x for x in report["stderr"].splitlines() if "pled: rank 0: " in x]
+    assert sum(": pageable access on device 0 (FakeGPU)" in x for x in lines) == \
+        sum(len(PINNED[d]) for d in DTYPES) + 1, lines  # one line per slice: each dtype's layer 0, the 801 case
+    assert sum(": writable registration on device 0 (FakeGPU)" in x and "writable by its writers" in x
+               for x in lines) == 2 * len(LAYERS), lines
+    assert sum("trying the next route" in x and "fake error 801" in x for x in report["stderr"].splitlines()) == 1

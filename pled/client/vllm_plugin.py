@@ -26,6 +26,9 @@ from pled.client import import_hook, safe_open_seam
 ITERATOR = "safetensors_weights_iterator"
 PLE_MODULE = "vllm.models.qwen4_exp.common.ple"  # vLLM 0.33's PLE path: pled.client.ple_seams (its names there)
 PINNED_MODULE = "vllm.models.qwen4_exp.common.ngram_embedding"
+# vLLM 0.33's DeepSeek V4.1 Engram tables: pled.client.engram_seams (the model modules import can_share_… by name)
+ENGRAM_MODULE = "vllm.models.deepseek_v41.common.engram"
+ENGRAM_MODELS = ("vllm.models.deepseek_v41.nvidia.model", "vllm.models.deepseek_v41.amd.model")
 WEIGHT_UTILS = "vllm.model_executor.model_loader.weight_utils"
 DEFAULT_LOADER = "vllm.model_executor.model_loader.default_loader"
 # What the iterator wrapper relies on: the iterator's first two parameters, and two helpers beside it.
@@ -66,8 +69,9 @@ def _wrap_iterator(original, module):
     """vLLM's iterator, called once per call with every file pled does not hold and every argument it was
     given (its prefetch shards by rank over that whole list, sizes it against RAM, draws one progress bar);
     the files pled holds are yielded from the region, in vLLM's order, after the original's: whole files from the
-    region, and a checkpoint file pled holds the PLE tensors of (an arrays table) through safe_open, as vLLM's own
-    iterator reads it, its PLE tensors from the region (outside vLLM's prefetch, which would read them)."""
+    region (writable, as vLLM's own are: copy-on-write, pled.client.private_views), and a checkpoint file pled
+    holds the PLE tensors of (an arrays table) through safe_open, as vLLM's own iterator reads it, its PLE tensors
+    from the region (outside vLLM's prefetch, which would read them)."""
     import inspect
 
     from pled.client import held_files
@@ -100,9 +104,16 @@ def _wrap_iterator(original, module):
                         if not module.should_skip_weight(name, experts):
                             yield name, f.get_tensor(name)
                 continue
-            for name, tensor in h.table.shard_tensors(h.shard.index).items():
+            entries = h.table.shard_entries(h.shard.index)
+            tensors = h.table.manifest.tensors
+            if entries:  # as vLLM's own (safe_open "pt"): writable tensors over one private mapping of the file
+                from pled.client.private_views import PrivateMapping
+
+                mapping = PrivateMapping(h.table, min(tensors[i].offset for i in entries.values()),
+                                         max(tensors[i].offset + tensors[i].nbytes for i in entries.values()))
+            for name, index in entries.items():
                 if not module.should_skip_weight(name, experts):
-                    yield name, tensor
+                    yield name, mapping.tensor(tensors[index])
         if served:
             st.report(ITERATOR)
 
@@ -170,6 +181,10 @@ def register() -> None:
         # vLLM 0.33's own PLE path (pled.client.ple_seams): ple first, as ngram_embedding imports it
         import_hook.after_import(PLE_MODULE, _patch_ple)
         import_hook.after_import(PINNED_MODULE, _patch_pinned)
+        # and its DeepSeek V4.1 Engram path (pled.client.engram_seams): the engram module before the models
+        import_hook.after_import(ENGRAM_MODULE, _patch_engram)
+        for name in ENGRAM_MODELS:
+            import_hook.after_import(name, _patch_engram_model)
 
 
 def _patch_ple(module) -> None:
@@ -182,3 +197,15 @@ def _patch_pinned(module) -> None:
     from pled.client import ple_seams
 
     ple_seams.patch_pinned(module)
+
+
+def _patch_engram(module) -> None:
+    from pled.client import engram_seams
+
+    engram_seams.patch_engram(module)
+
+
+def _patch_engram_model(module) -> None:
+    from pled.client import engram_seams
+
+    engram_seams.patch_model(module)

@@ -1,6 +1,6 @@
 """pled.toml: read with tomllib, validated by pydantic, every error naming the key and the file.
 
-Every key, with its default and a comment: config/pled.toml (installed as /usr/share/doc/pled/pled.toml).
+Every key, with its default and a comment: config/pled.toml (installed as /usr/share/doc/pled/examples/pled.toml).
 Relative table paths, and a relative metrics_file, are taken relative to the directory of the config file.
 """
 from __future__ import annotations
@@ -26,6 +26,7 @@ from pydantic import (
 from pled.daemon.config_errors import describe as _describe
 from pled.shared.boundary import BoundaryError, clip
 from pled.shared.config_file import (  # noqa: F401 (resolve_path)
+    DOCS,
     EXAMPLE_CONFIG,
     MAX_DEPTH,
     check_socket_path,
@@ -95,6 +96,9 @@ class TableConfig(BaseModel):
     writers: tuple[StrictInt | str, ...] = ()
     gpu_routes: tuple[GpuRoute, ...] = GPU_ROUTES  # type: ignore[assignment]
     verify_interval: float | None = None  # seconds; None: DEFAULT_VERIFY_INTERVAL for a writable table
+    # The writers' uids, resolved once when the config is loaded (start, reload): never through NSS at an Attach,
+    # where a removed or renamed user would fail every Attach or hand the read-write fd to another uid.
+    _writer_uids: frozenset[int] = PrivateAttr(default=frozenset())
 
     _page_size = field_validator("huge_page_size")(classmethod(lambda cls, v: _check_page_size(v)))
     _numa = field_validator("numa", mode="before")(classmethod(lambda cls, v: _check_numa(v)))
@@ -137,10 +141,15 @@ class TableConfig(BaseModel):
             for key, given in (("writers", self.writers), ("verify_interval", self.verify_interval is not None)):
                 if given:
                     raise ValueError(f"{key} is only for a table with gpu_access = \"writable\"; add that (read "
-                                     f"docs/operations.md, \"The writable route\", first) or remove {key}")
+                                     f"{DOCS}/operations.md, \"The writable route\", first) or remove {key}")
         elif not self.writers:
             raise ValueError("gpu_access = \"writable\" needs writers = [...], the users (names or uids) who may "
                              "write the table, for example [\"vllm\"]")
+        else:
+            try:
+                self._writer_uids = frozenset(writer_uid(w) for w in self.writers)
+            except KeyError as err:  # removed between the key's check and here
+                raise ValueError(f"no user named {clip(str(err), 64)} on this host; create it or use a uid") from None
         return self
 
     @property
@@ -149,8 +158,8 @@ class TableConfig(BaseModel):
 
     @property
     def writer_uids(self) -> frozenset[int]:
-        """The uids that receive a read-write fd (empty unless writable)."""
-        return frozenset(writer_uid(w) for w in self.writers) if self.writable else frozenset()
+        """The uids that receive a read-write fd (empty unless writable), as resolved when the config was loaded."""
+        return self._writer_uids
 
     @property
     def verify_seconds(self) -> float | None:
@@ -198,6 +207,7 @@ class Config(BaseModel):
     verify_bandwidth: int = 1_000_000_000  # bytes/s of memory the scheduled verify reads at most
     tables: tuple[TableConfig, ...] = Field(default=(), alias="table")
     _source: str = PrivateAttr(default="<defaults>")
+    _allow_gids: frozenset[int] = PrivateAttr(default=frozenset())  # allow_groups resolved once, at load
 
     @property
     def source(self) -> str:
@@ -292,9 +302,19 @@ class Config(BaseModel):
                 raise ValueError(f"{g} is not a gid")
         return groups
 
+    @model_validator(mode="after")
+    def _resolve_groups(self) -> Config:
+        try:
+            self._allow_gids = frozenset(g if isinstance(g, int) else grp.getgrnam(g).gr_gid
+                                         for g in self.allow_groups)
+        except KeyError as err:  # removed between the key's check and here
+            raise ValueError(f"allow_groups: no group named {clip(str(err), 64)} on this host") from None
+        return self
+
     @property
     def allow_gids(self) -> frozenset[int]:
-        return frozenset(g if isinstance(g, int) else grp.getgrnam(g).gr_gid for g in self.allow_groups)
+        """allow_groups as gids, resolved when the config was loaded (never through NSS on the loop)."""
+        return self._allow_gids
 
     @field_validator("socket")
     @classmethod

@@ -14,6 +14,7 @@ EX_FAILURE = 1
 EX_NOT_RUNNING = 3  # as systemctl status and LSB init scripts say "not running"
 EX_USAGE = 64  # sysexits.h: the command was used wrongly (a bad argument)
 EX_UNAVAILABLE = 69  # sysexits.h: a Python module the command needs is not installed in this environment
+EX_NOPERM = 77  # sysexits.h: this user may not (reach pled's socket, be admitted by pled, reload)
 EX_CONFIG = 78
 EX_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process ended by Ctrl-C
 

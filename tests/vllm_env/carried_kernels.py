@@ -1,6 +1,6 @@
 """Run in .venv-vllm (which has Triton) with TRITON_INTERPRET=1, by tests/test_device_check.py: the kernels
 bench/ple_kernels.py carries from vLLM 0.33.0, executed by Triton's CPU interpreter on CPU tensors, against
-bench/device_lookup.py's references (pled's numpy dequantizer; the rows' bytes). Prints one JSON line.
+bench/device/lookup.py's references (pled's numpy dequantizer; the rows' bytes). Prints one JSON line.
 
 The interpreter of Triton 3.9 hands ``tl.load``/``tl.store`` the nvfp4 kernel's mask (a scalar ``owned`` and a
 block ``in_row`` combined) as int64, which it then refuses ("mask has unsupported dtype"); so the masks are cast to
@@ -14,7 +14,8 @@ import numpy as np
 import torch
 import triton.runtime.interpreter as interpreter
 
-from bench import device_lookup, ple_kernels
+from bench import ple_kernels
+from bench.device import lookup as device_lookup
 
 _load, _store = interpreter._interpreter.load, interpreter._interpreter.store
 interpreter._interpreter.load = lambda ptrs, mask, other, dtype: _load(ptrs, mask.astype(bool), other, dtype)

@@ -27,6 +27,7 @@ import time
 import traceback
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
+EQUAL_CALLS = [0]  # torch.equal calls so far (pled's compare-only loader reads rows with it)
 
 
 def settle() -> None:
@@ -52,6 +53,18 @@ def read_bytes() -> int:
     alike, as safetensors reads a file by mapping it; what the page cache held already does not count)."""
     with open("/proc/self/io") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
+
+
+def anonymous_mappings() -> set:
+    """This process's anonymous mappings that can hold data (readable or writable, not PROT_NONE reservations)."""
+    out = set()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) < 6 and parts[1] != "---p":
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                out.add((lo, hi))
+    return out
 
 
 def mapping_of(ptr: int) -> str:
@@ -129,6 +142,13 @@ def install_fakes(fake):
         return tensor.clone()  # what the real helper's cudaHostAlloc + cudaMemcpy make: a private pinned copy
 
     torch_utils.get_accelerator_view_from_cpu_tensor = uva_view
+    real_equal = torch.equal
+
+    def equal(a, b):  # counted (not faked): a comparison that reads the rows, where identity would not
+        EQUAL_CALLS[0] += 1
+        return real_equal(a, b)
+
+    torch.equal = equal
     real_empty = torch.empty
 
     def empty(*args, pin_memory=False, **kwargs):
@@ -198,6 +218,9 @@ def describe(module, fake, calls_before: int, digests: bool = True) -> dict:
             a = next(a for a in arrays if a.offset <= p.data_ptr() - table.address < a.offset + a.nbytes)
             info["expected"] = table.address + a.offset + e.shard_indices.org_vocab_start_index * a.row_bytes
             info["array"] = f"{a.prefix}.{a.param}"
+        method = getattr(e, "embedding_method", None)
+        uva = getattr(e, "_uva_weight", None) if name == "weight" else getattr(method, "_uva_weight_scale", None)
+        info["uva"] = uva.data_ptr() if uva is not None else None  # what vLLM's lookup kernel reads from
         out["params"][name] = info
     return out
 
@@ -265,10 +288,12 @@ def run_case(case: dict, spec: dict, fake, real_empty, fake_empty) -> dict:
         out["layers"][str(layer)] = rec
         gc.collect()
         before, calls, copied = rss_anon(), len(fake.calls), len(spec["_copies"])
-        read_before, start = read_bytes(), time.perf_counter()
+        anon_before, aliases = anonymous_mappings(), len(fake.aliases)
+        read_before, start, equal_before = read_bytes(), time.perf_counter(), EQUAL_CALLS[0]
         try:
             module, rec["loaded"] = build_and_load(tc, layer, case.get("params_dtype", "bfloat16"), files)
             rec["seconds"] = time.perf_counter() - start  # from construction to loaded
+            rec["rows_compared"] = EQUAL_CALLS[0] - equal_before  # 0 where each tensor was pled's own rows
             rec["read_bytes"] = read_bytes() - read_before
         except Exception as err:
             rec["error"] = f"{type(err).__name__}: {err}"
@@ -277,6 +302,8 @@ def run_case(case: dict, spec: dict, fake, real_empty, fake_empty) -> dict:
         gc.collect()
         rec["rss_anon_growth"] = rss_anon() - before
         rec["uva_private_copies"] = spec["_copies"][copied:]
+        rec["new_anonymous_mappings"] = sorted(hi - lo for lo, hi in anonymous_mappings() - anon_before)
+        rec["aliases"] = fake.aliases[aliases:]
         rec.update(describe(module, fake, calls, digests=not case.get("lean")))
         kept.append(module)
         if case.get("upstream"):  # the same table as vLLM builds it without pled (only pin_memory faked)

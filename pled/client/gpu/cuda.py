@@ -48,6 +48,12 @@ class Runtime:
     def device(self) -> int:
         return int(self._torch.cuda.current_device())
 
+    def device_count(self) -> int:
+        return int(self._torch.cuda.device_count())
+
+    def set_device(self, device: int) -> None:
+        self._torch.cuda.set_device(device)
+
     def device_name(self, device: int) -> str:
         return str(self._torch.cuda.get_device_name(device))
 

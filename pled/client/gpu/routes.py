@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import weakref
 from dataclasses import dataclass
 
 from pled.client.gpu import registry
@@ -41,7 +42,7 @@ class Taken:
 
 
 _lock = threading.Lock()
-_chosen: dict[tuple[str, int, int], str] = {}  # (table, generation, device) -> route
+_chosen: dict[tuple[int, int], tuple[weakref.ref, str]] = {}  # (id(table), device) -> (the table, its route)
 
 
 def forget() -> None:
@@ -82,12 +83,14 @@ def unfit(route: str, p: Probe, table) -> str | None:
 def take(rt, p: Probe, table, owner: object, ptr: int, nbytes: int, what: str) -> Taken:
     """Make ``[ptr, ptr + nbytes)`` of ``table``'s mapping readable by device ``p.device`` for as long as ``owner``
     lives, by the first route that works; NoRoute where none does."""
-    key = (table.name, getattr(table, "generation", 0), p.device)
+    key = (id(table), p.device)
+    routes = tuple(getattr(table, "gpu_routes", ROUTES))
     with _lock:
         chosen = _chosen.get(key)
-    order = (chosen,) if chosen else tuple(getattr(table, "gpu_routes", ROUTES))
+    if chosen is not None and chosen[0]() is table:  # its route first: the routes that failed are not tried again
+        routes = (chosen[1], *(r for r in routes if r != chosen[1]))
     skipped: list[str] = []
-    for route in order:
+    for route in routes:
         why = unfit(route, p, table)
         if why is None:
             try:
@@ -100,7 +103,7 @@ def take(rt, p: Probe, table, owner: object, ptr: int, nbytes: int, what: str) -
                                 what, NAMES[route], p.device, p.name, why)
             else:
                 with _lock:
-                    _chosen[key] = route
+                    _chosen[key] = (weakref.ref(table), route)
                 return Taken(route, registered, skipped)
         skipped.append(f"{NAMES.get(route, route)}: {why}")
     raise NoRoute(refusal(p, table, what, skipped))
@@ -110,7 +113,7 @@ def refusal(p: Probe, table, what: str, skipped: list[str]) -> str:
     options = []
     if getattr(table, "gpu_access", "read-only") != "writable":
         options.append(f"gpu_access = \"writable\" with writers = [...] for table {table.name} in pled's config "
-                       "(docs/operations.md: the writable route's trade)")
+                       "(/usr/share/doc/pled/operations.md, \"What a GPU must support\": the writable route's trade)")
     if p.hmm and not hmm_opted_in():
         options.append(f"{HMM_OPT_IN}=1 (pageable access over HMM)")
     options.append("PLED_FALLBACK=disk (vLLM's private pinned copy per rank)")

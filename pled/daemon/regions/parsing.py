@@ -21,6 +21,7 @@ pled keeps serving what it served.
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 import pickle
@@ -122,6 +123,24 @@ def _loads(data: bytes) -> Any:
     return pickle.Unpickler(_Frames(data)).load()
 
 
+def _unpickle_plan(data: bytes) -> Any:
+    """The child's answer, as pled's objects, without a garbage collection over them in the loop's thread.
+
+    A large plan (a table of 120,000 tensors) is a million objects: unpickling them crosses the cyclic collector's
+    thresholds many times, and its collections, run by whichever thread allocates next (often the loop), held the
+    loop up to a second (measured: Pings of 979 ms, faulthandler's dumps showing the loop "Garbage-collecting").
+    The collector is off while they are built, and they are then frozen (gc.freeze: never traversed again). They
+    are acyclic records a table keeps while it is served; reference counting frees them when it is released."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _loads(data)
+    finally:
+        if enabled:
+            gc.enable()
+        gc.freeze()
+
+
 def plan_reload(source: str, served: dict, proc_root: str = "/", served_pages: dict[str, int] | None = None,
                 served_writable: frozenset[str] = frozenset()):
     """planning.plan_reload(...) in a child process (see the module's doc); the ReloadPlan, or PledError."""
@@ -151,7 +170,7 @@ def plan_reload(source: str, served: dict, proc_root: str = "/", served_pages: d
     if not out:
         raise PlanningFailed(f"planning the reload {_ended(proc.returncode, time.monotonic() - started)}; "
                              "pled serves what it served")
-    kind, payload, records = _loads(out)
+    kind, payload, records = _unpickle_plan(out)
     for record in records:
         logging.getLogger(record.name).handle(record)
     if kind == "ok":

@@ -31,6 +31,7 @@ from pled.shared.boundary import BoundaryError, open_regular
 from pled.shared.digests import OWN, new_hasher
 from pled.shared.dropbehind import DropBehind
 from pled.shared.errors import EX_OK, PledError, SidecarError, StagingError
+from pled.shared.layouts import LAYOUTS
 from pled.shared.pagecache import mapping_address
 from pled.shared.region import Manifest, Piece, Region
 from pled.shared.sizes import gib, rate
@@ -328,12 +329,13 @@ def _write(fd: int, view: memoryview | None, offset: int, data: bytes) -> None:
 
 
 def describe_ready(r: Region) -> str:
-    """The log line for a staged table: size, time, rate, huge-page share."""
-    m, s = r.manifest, r.stats
+    """The log line for a staged table: size, files (shards, or a glob's or checkpoint's), time, rate, huge pages."""
+    m, s, n = r.manifest, r.stats, len(r.manifest.shards)
+    files = ("checkpoint file" if m.form == "arrays" else "shard" if m.layout in LAYOUTS else "file")
     share = s.huge_bytes / m.region_bytes if m.region_bytes else 0.0
     pages = s.fill.policy if s.fill.method == HUGETLB else f"shmem_enabled: {s.fill.policy}"
     line = (
-        f"table {m.table} staged: {gib(m.source_bytes)} in {len(m.shards)} shards, {s.seconds * 1000:.0f} ms "
+        f"table {m.table} staged: {gib(m.source_bytes)} in {n} {files}{'s' * (n != 1)}, {s.seconds * 1000:.0f} ms "
         f"({rate(m.source_bytes, s.seconds)}), huge pages {share:.0%} ({pages}), "
         + ("sealed" if region.is_sealed(r.fd) else "sealed against shrinking and growing but NOT against writing "
            "(gpu_access = \"writable\")")

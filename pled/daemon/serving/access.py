@@ -7,6 +7,7 @@ the peer may have exited, or /proc may hide it (ProtectProc=), and that changes 
 from __future__ import annotations
 
 import array
+import bisect
 import errno
 import logging
 import os
@@ -96,13 +97,19 @@ def peer_of(sock: socket.socket) -> Peer:
 
 def unmapped_ids(kind: str, ids, proc: str = "/proc/self") -> set[int]:
     """Those of ``ids`` (uids or gids) that this process's user namespace does not map: a peer with one of
-    them shows as the overflow id 65534 in SO_PEERCRED/SO_PEERGROUPS."""
+    them shows as the overflow id 65534 in SO_PEERCRED/SO_PEERGROUPS. Sorted once, each of the map's few ranges
+    then a slice found by bisection: a reload's 110,000 allow_uids cost the loop 100 ms one at a time."""
     try:
         with open(f"{proc}/{kind}_map", encoding="ascii") as f:
             ranges = [tuple(map(int, line.split())) for line in f if line.strip()]
     except (OSError, ValueError):
         return set()
-    return {i for i in ids if not any(inside <= i < inside + count for inside, _, count in ranges)}
+    left = sorted(set(ids))
+    for inside, _, count in ranges:
+        lo, hi = bisect.bisect_left(left, inside), bisect.bisect_left(left, inside + count)
+        if lo < hi:
+            del left[lo:hi]
+    return set(left)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ here, each within the boundary's bounds; every refusal is a SidecarError naming 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pled.daemon.sources import engram
 from pled.daemon.sources.naming import find_files, natural_key, odd_one_out
@@ -173,8 +173,10 @@ def open_checkpoint(source: str) -> Checkpoint:
                 raise SidecarError(path, f"has no tensor {clip(name, 120)!r}, which {INDEX} says it holds; the "
                                          "checkpoint is incomplete or its index stale")
         hits = [(t, parsed) for t in header.tensors if (parsed := table_name(t.name, path)) is not None]
-        if hits:
-            holding[path] = header
+        if hits:  # kept with its table tensors only: a file's other tensors are vLLM's, and a reload's plan carries
+            # the headers it keeps from the planning child to pled (regions/parsing.py): 120,000 tensors of an 8 MiB
+            # header are a third of a second of pled's CPU to unpickle, in the loop's process
+            holding[path] = replace(header, tensors=tuple(t for t, _ in hits))
         for t, (prefix, number, param) in hits:
             slot = found.setdefault((prefix, param), {})
             if number in slot:

@@ -1,4 +1,4 @@
-"""CUDA for bench/device_check.py and its children: pled's registration seam over a mapped table, the device
+"""CUDA for bench/device/check.py and its children: pled's registration seam over a mapped table, the device
 pointer of registered (or pinned) host memory, a torch tensor over it, and vLLM's private pinned copy.
 
 - Registration goes through pled's one seam, ``pled.client.gpu.registry.register`` (cudaHostRegister with

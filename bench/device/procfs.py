@@ -1,4 +1,4 @@
-"""What the kernel says of a mapping, a process and the host's memory, for bench/device_check.py and its
+"""What the kernel says of a mapping, a process and the host's memory, for bench/device/check.py and its
 children: /proc/PID/smaps (one mapping), /proc/PID/status and /proc/meminfo, in bytes. Nothing else imported, so a
 child reads its own figures before it has loaded anything large.
 """

@@ -1,4 +1,4 @@
-"""Lookups for bench/device_check.py: vLLM 0.33's carried kernels (bench/ple_kernels.py) over CUDA views of host
+"""Lookups for bench/device/check.py: vLLM 0.33's carried kernels (bench/ple_kernels.py) over CUDA views of host
 memory, checked against pled's numpy reference (pled/shared/dequant.py), and timed side by side.
 
 ``reference_nvfp4`` and ``reference_rows`` are what the two kernels must return, computed on the CPU from the

@@ -1,4 +1,4 @@
-"""The tables bench/device_check.py registers: a synthetic model checkpoint (pled.generator.make_checkpoint) staged
+"""The tables bench/device/check.py registers: a synthetic model checkpoint (pled.generator.make_checkpoint) staged
 by pled (pled.daemon.regions.staging.stage, as in pled.demo) on 4 KiB pages, on transparent huge pages and on reserved
 (hugetlb) 2 MiB pages, with every host setting it changes put back; and what the kernel says of No CUDA here: this
 module runs on any Linux host.
@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.hugepages import NotMeasured, host_settings, reserve, shmem_enabled
+from bench.common import NotMeasured, host_settings, reserve, shmem_enabled
 from pled.daemon.memory.pageplan import NumaPolicy, PagePlan
 from pled.daemon.regions import staging
 from pled.daemon.sources.checkpoint import open_checkpoint

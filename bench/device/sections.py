@@ -1,7 +1,7 @@
-"""The sections of bench/device_check.py that need CUDA: one per page kind (registration, lookups, rows/s; the
+"""The sections of bench/device/check.py that need CUDA: one per page kind (registration, lookups, rows/s; the
 memory of two processes on the first of thp, 4k that stages) and fp8's (lookups, rows/s, then GPU writes through
 the read-only view, last). Each returns
-its figures as a dict; bench/device_check.py runs them, writes them and reports a failure as one line.
+its figures as a dict; bench/device/check.py runs them, writes them and reports a failure as one line.
 """
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import device_child, device_lookup, device_pages
-from bench.device_cuda import Cuda, PinnedCopy, Registered, try_register
-from bench.device_procfs import smaps_of
+from bench.device import child as device_child, lookup as device_lookup, pages as device_pages
+from bench.device.cuda import Cuda, PinnedCopy, Registered, try_register
+from bench.device.procfs import smaps_of
 from pled.client import gpu
 from pled.client.mapped_table import Table
 
@@ -166,7 +166,7 @@ def _spec(table: Table, **more) -> dict:
 
 
 def memory(ctx: Context, fd: int) -> dict:
-    """Two processes holding the nvfp4 table at once, registered and looked up (bench/device_child.py)."""
+    """Two processes holding the nvfp4 table at once, registered and looked up (bench/device/child.py)."""
     with Table(os.dup(fd), 0, populate=False) as m:
         spec = _spec(m, fd=fd, width=ctx.nvfp4.width, global_scale=ctx.nvfp4.global_scale,
                      table_bytes=ctx.nvfp4.nbytes, ids=ctx.args.check_ids)
@@ -176,7 +176,7 @@ def memory(ctx: Context, fd: int) -> dict:
 def fp8(ctx: Context) -> dict:
     """The fp8 table on the first of thp, 4k that stages: the raw-rows kernel through pled's view against the rows'
     bytes, and rows/s against upstream's pinned copy; then, the run's last check (a GPU fault could spoil what
-    came after it), writes through the registered read-only view, each in a child (bench/device_child.py)."""
+    came after it), writes through the registered read-only view, each in a child (bench/device/child.py)."""
     reasons = {}
     for kind in SHMEM_KINDS:
         try:

@@ -2,8 +2,8 @@
 vLLM 0.33's own kernels, measured on a machine with one NVIDIA GPU. ``make device-check`` runs it; without CUDA
 it says so in one line and in its JSON, and exits 0.
 
-    python -m bench.device_check [--out DIR] [--table-gib 1] [--kinds hugetlb,thp,4k] ...  # DIR/device_check.json
-    python -m bench.device_check --plan   # the device tool's run call, and the bytes that would travel
+    python -m bench.device.check [--out DIR] [--table-gib 1] [--kinds hugetlb,thp,4k] ...  # DIR/device_check.json
+    python -m bench.device.check --plan   # the device tool's run call, and the bytes that would travel
 
 On the device machine (Python 3.12, torch, Triton, numpy, xxhash, no pydantic): ``make device-wheels`` here first
 (pydantic's wheels into .whl/, git-ignored), then the device tool's ``run`` with carry [".whl"], timeout_s 360 and
@@ -11,18 +11,21 @@ the command ``COMMAND`` below (``--plan`` prints all three). Nothing of vLLM tra
 carried in bench/ple_kernels.py. The default run takes about 2-3 minutes there (budget: --budget-s 270).
 
 What it measures, each figure from the run or the reason it could not be had:
-- per page kind (``4k``, ``thp``, ``hugetlb``; bench/device_pages.py stages one synthetic nvfp4 checkpoint of
+- per page kind (``4k``, ``thp``, ``hugetlb``; bench/device/pages.py stages one synthetic nvfp4 checkpoint of
   --table-gib on each, putting back shmem_enabled and the 2 MiB pool): what staging got; the client's mapping
   (pled.client.mapped_table.Table, populated) and its smaps; cudaHostRegister(Mapped|ReadOnly) of the whole table
   through pled's seam (pled.client.gpu), --register-repeats times: seconds, GiB/s, is_pinned, and the
   unregistering; one cudaHostRegister(Mapped) without ReadOnly (how it fails on a PROT_READ mapping); then rank
   --rank of --world's rows, registered as the plugin registers them (a page-rounded, unaligned slice), looked up by
   the carried nvfp4 kernel through the CUDA view (cudaHostGetDevicePointer) into float32 and bf16 and compared with
-  pled's numpy reference (bench/device_lookup.py); rows/s through pled's view against upstream's private pinned
+  pled's numpy reference (bench/device/lookup.py); rows/s through pled's view against upstream's private pinned
   copy (torch.empty(pin_memory=True) + copy_, the same rows) and, as the ceiling, the rows in the GPU's memory,
   CUDA events, median and spread of --repeats;
+- per GPU route (bench/device/routes.py: read-only registration, pageable access on ATS or HMM, writable
+  registration, each the device offers): the view's seconds and GiB/s, is_pinned, rows/s through the route's view
+  against upstream's pinned copy, the first pass against the warm ones, host memory counted once;
 - on the first of thp, 4k that stages: two processes registering the same table (meminfo's Shmem and each
-  process's smaps and status, bench/device_child.py);
+  process's smaps and status, bench/device/child.py);
 - fp8 (a --fp8-mib checkpoint, on thp else 4k): the carried raw-rows kernel through pled's view equal to the rows'
   bytes, and its rows/s against upstream's pinned copy; last, GPU writes through the read-only view, each in a
   child (a kernel's store, cudaMemcpy, cudaMemset): how each failed, and the bytes read back after.
@@ -45,7 +48,7 @@ MiB = 1 << 20
 WHEELS = ".whl"
 COMMAND = ("set -o pipefail; python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade "
            "--target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; PYTHONUNBUFFERED=1 timeout -s INT "
-           "320 python3 -m bench.device_check 2>&1 | tee \"$OUT/device_check.log\"")
+           "320 python3 -m bench.device.check 2>&1 | tee \"$OUT/device_check.log\"")
 RUN = {"command": COMMAND, "carry": [WHEELS], "timeout_s": 360}
 TRAVEL_LIMIT = 64 * MiB
 
@@ -84,7 +87,7 @@ class Run:
     def section(self, where: dict, key: str, measure, *args) -> dict:
         """``where[key]`` = ``measure(*args)``, or why not: the host cannot (not_measured), a failure (error, one
         line), or the budget spent (skipped)."""
-        from bench.device_pages import NotMeasured
+        from bench.device.pages import NotMeasured
 
         if time.monotonic() - self.start > self.budget:
             where[key] = {"skipped": f"the run's budget of {self.budget:.0f} s was spent"}
@@ -104,8 +107,8 @@ def machine(cuda) -> dict:
     import numpy
     import torch
 
-    from bench import device_pages
-    from bench.device_procfs import meminfo
+    from bench.device import pages as device_pages
+    from bench.device.procfs import meminfo
 
     try:
         import triton
@@ -118,9 +121,10 @@ def machine(cuda) -> dict:
 
 
 def measure(args: argparse.Namespace, run: Run) -> None:
-    from bench import device_pages
-    from bench.device_cuda import Cuda
-    from bench.device_sections import Context, fp8, page_kind
+    from bench.device import pages as device_pages
+    from bench.device.cuda import Cuda
+    from bench.device.routes import routes
+    from bench.device.sections import Context, fp8, page_kind
 
     cuda = Cuda()
     run.section(run.result, "machine", machine, cuda)
@@ -132,6 +136,7 @@ def measure(args: argparse.Namespace, run: Run) -> None:
             if "error" not in run.result["checkpoints"]:
                 for kind in args.kinds:
                     run.section(run.result.setdefault("pages", {}), kind, page_kind, ctx, kind)
+                run.section(run.result, "routes", routes, ctx)  # each GPU route pled.client.gpu offers here
                 run.section(run.result, "fp8", fp8, ctx)
         finally:
             ctx.close()
@@ -192,7 +197,7 @@ def travel(root: Path = ROOT) -> dict:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.device_check", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.device.check", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "out" / "device-check"),
                    help="folder for device_check.json (default: $OUT, else bench/out/device-check)")
     p.add_argument("--work", default=None, help="folder for the synthetic checkpoints (default: the temp folder)")

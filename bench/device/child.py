@@ -1,4 +1,4 @@
-"""The child processes of bench/device_check.py, each a fresh ``python -m bench.device_child SPEC`` handed the
+"""The child processes of bench/device/check.py, each a fresh ``python -m bench.device.child SPEC`` handed the
 region's memfd (as a vLLM process gets it from pled), with its own CUDA context: a write that faults the GPU
 leaves the parent's context unharmed, and two of them show what two processes cost the host.
 
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.device_procfs import meminfo, smaps_of, status_of
+from bench.device.procfs import meminfo, smaps_of, status_of
 
 ROOT = Path(__file__).resolve().parent.parent
 WRITE_BYTES = 4096
@@ -35,7 +35,7 @@ class Child:
     def __init__(self, spec: dict, fd: int, log: Path) -> None:
         self.log = log
         with open(log, "wb") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "bench.device_child", json.dumps(spec)],
+            self.proc = subprocess.Popen([sys.executable, "-m", "bench.device.child", json.dumps(spec)],
                                          pass_fds=(fd,), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          stderr=err, cwd=ROOT, text=True)
 
@@ -133,7 +133,7 @@ def _table(spec: dict):
 def _hold(spec: dict) -> dict:
     start = status_of()
     from bench import ple_kernels
-    from bench.device_cuda import Cuda, Registered
+    from bench.device.cuda import Cuda, Registered
 
     cuda = Cuda()
     with_cuda = status_of()
@@ -156,7 +156,7 @@ def _hold(spec: dict) -> dict:
 
 
 def _writer(spec: dict):
-    from bench.device_cuda import Cuda, Registered
+    from bench.device.cuda import Cuda, Registered
 
     cuda = Cuda()
     table = _table(spec)
