@@ -16,6 +16,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mutations import Mutation  # noqa: E402
 
 WRITERS = "tests/test_attack5_writers.py::"
+HEADER = "tests/test_attack5_writable_header.py::"
+EVICTS = HEADER + "test_root_verify_never_reads_or_evicts_a_file_a_writer_names_in_the_header"
+REFUSES = HEADER + "test_a_client_refuses_a_writable_region_whose_header_a_writer_changed"
+REPAIR = HEADER + "test_verify_repair_restages_a_data_change_the_scheduled_verify_has_not_seen"
 
 MUTATIONS = [
     Mutation("a writable table's writers looked up by name at every Attach (NSS on the loop)", "pled/daemon/config.py",
@@ -29,6 +33,21 @@ MUTATIONS = [
              "        return frozenset(g if isinstance(g, int) else grp.getgrnam(g).gr_gid\n"
              "                         for g in self.allow_groups)\n",
              (WRITERS + "test_names_in_a_loaded_config_are_resolved_once",)),
+    # A writable table's header: in the writers' reach, checked by every client against the reply's digest.
+    Mutation("the client takes a writable region's header whatever the reply's digest", "pled/shared/region.py",
+             "    if expect_sha256 is not None and digest != expect_sha256:", "    if False:", (EVICTS, REFUSES)),
+    Mutation("a writable table's client asks for no staged digest", "pled/client/library.py",
+             'staged = _staged_manifest(params, conn.path, table) if gpu_access == "writable" else None',
+             "staged = None", (EVICTS, REFUSES)),
+    Mutation("the daemon's Attach reply leaves out manifest_sha256", "pled/daemon/handlers.py",
+             "if writable and t.header else {}", "if False else {}",
+             ("tests/test_writable_route.py::test_the_writer_gets_one_read_write_mapping_it_can_turn_read_only",)),
+    # pled verify --repair: the writable tables it found changed are staged anew.
+    Mutation("verify --repair names no table to restage", "pled/cli.py",
+             '**({"restage": restage} if restage else {})', "**{}", (REPAIR,)),
+    Mutation("a reload ignores restage", "pled/daemon/reload.py",
+             "for name, identity in served.items() if name not in restage}",
+             "for name, identity in served.items()}", (REPAIR,)),
 ]
 
 

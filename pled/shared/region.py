@@ -314,9 +314,16 @@ def encode_header(manifest: Manifest) -> bytes:
 _parsed: dict[bytes, Manifest] = {}  # sha256 of a manifest -> the manifest: parsing is the slow part of attaching
 
 
-def read_manifest(fd: int) -> Manifest:
+def staged_manifest_sha256(header: bytes) -> str:
+    """The manifest's sha256 (hex) that a region's header, as ``encode_header`` made it, records."""
+    return _PREFIX.unpack_from(header)[5].hex()
+
+
+def read_manifest(fd: int, expect_sha256: bytes | None = None) -> Manifest:
     """The manifest of the region behind ``fd``, checked against the fd's real size, parsed within bounds and
-    checked (``Manifest.from_json``): RegionError says what is wrong. Parsed once a process per manifest."""
+    checked (``Manifest.from_json``): RegionError says what is wrong. Parsed once a process per manifest.
+    ``expect_sha256``: the manifest's sha256 as pled staged it (a writable table's Attach reply says it: its writers
+    can write the header too); a header that records another is refused before anything of it is parsed."""
     size = os.fstat(fd).st_size
     prefix = os.pread(fd, _PREFIX.size, 0)
     if len(prefix) < _PREFIX.size:
@@ -329,6 +336,10 @@ def read_manifest(fd: int) -> Manifest:
     if _PREFIX.size + length > data_offset or data_offset > size or length > MAX_MANIFEST:
         raise RegionError(f"fd {fd}: region header claims {length} bytes of manifest and data at {data_offset} in a "
                           f"{size}-byte region (a manifest may have at most {MAX_MANIFEST} bytes)")
+    if expect_sha256 is not None and digest != expect_sha256:
+        raise RegionError(f"fd {fd}: the region's header is not the one pled staged: a writer of this writable table "
+                          "changed it (its manifest, with every path and place, is not taken); `pled verify --repair` "
+                          "stages a clean generation")
     raw = os.pread(fd, length, _PREFIX.size)
     if hashlib.sha256(raw).digest() != digest:
         raise RegionError(f"fd {fd}: region manifest does not match its checksum")
