@@ -165,8 +165,8 @@ def _refuse_dummy(weight, table) -> None:
     except Exception:  # noqa: BLE001 (no current config: vLLM's loader is not running)
         return
     if load_format == "dummy":
-        raise PledUnavailable(f"pled: load_format=dummy would write vLLM's dummy values into pled's sealed Engram table "
-                              f"{weight.prefix} (table {table.name}); load the checkpoint, or start this vLLM "
+        raise PledUnavailable("pled: load_format=dummy would write vLLM's dummy values into pled's sealed Engram "
+                              f"table {weight.prefix} (table {table.name}); load the checkpoint, or start this vLLM "
                               "without pled (unset PLED_SOCKET)")
 
 
