@@ -20,6 +20,8 @@ HEADER = "tests/test_attack5_writable_header.py::"
 EVICTS = HEADER + "test_root_verify_never_reads_or_evicts_a_file_a_writer_names_in_the_header"
 REFUSES = HEADER + "test_a_client_refuses_a_writable_region_whose_header_a_writer_changed"
 REPAIR = HEADER + "test_verify_repair_restages_a_data_change_the_scheduled_verify_has_not_seen"
+MAKERS = ("tests/test_attack5_makers.py::"
+          "test_a_checkpoint_too_large_to_write_is_refused_in_one_line_before_anything_is_written")
 
 MUTATIONS = [
     Mutation("a writable table's writers looked up by name at every Attach (NSS on the loop)", "pled/daemon/config.py",
@@ -48,6 +50,14 @@ MUTATIONS = [
     Mutation("a reload ignores restage", "pled/daemon/reload.py",
              "for name, identity in served.items() if name not in restage}",
              "for name, identity in served.items()}", (REPAIR,)),
+    # pled make-checkpoint: what it would write, bounded before anything is drawn (the runs are bounded by pytest's
+    # own timeout where the breakage lets one run on: tools/mutations.py counts that as not caught, so each
+    # mutation keeps a case that fails at once).
+    Mutation("make-checkpoint writes rows without looking at the free space", "pled/makers.py",
+             "    if nbytes <= free:\n", "    if True:\n", (MAKERS + "[args0---rows 99999999999999]",)),
+    Mutation("make-checkpoint takes any number of parts", "pled/makers.py",
+             '("--parts", args.parts, 1 <= args.parts <= MAX_PARTS)', '("--parts", args.parts, 1 <= args.parts)',
+             (MAKERS + "[args1---parts 1000000000]",)),
 ]
 
 

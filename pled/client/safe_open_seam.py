@@ -235,10 +235,7 @@ class PledSafeOpen:
             return self._file().get_tensor(name)
         e = self._table.manifest.tensors[index]
         if self._numpy:
-            from pled.client.tensor_views import numpy_dtype
-
-            numpy_dtype(e.dtype)  # a dtype numpy lacks fails as under safetensors, before anything is mapped
-            return self._own(index).array(e)
+            return self._own(index).array(e)  # a dtype numpy lacks fails as under safetensors
         if self._pread:
             return self._own(index).tensor(e, file_shape=True)
         return self._private().tensor(e)  # a tensor of its own over the handle's storage, as safetensors gives

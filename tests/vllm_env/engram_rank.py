@@ -236,7 +236,8 @@ def setup(spec: dict):
     pc._data_parallel_master_port_list = []  # (its own list is of free ports each process drew for itself)
     cfg = VllmConfig(parallel_config=pc)
     cfg.engram_config = EngramConfig(cpu_offload=True)
-    cfg.model_config = types.SimpleNamespace(architecture="DeepseekV41ForCausalLM", is_moe=False)  # for the Engram DP group
+    # what initialize_model_parallel asks of the model: the architecture builds the Engram DP group
+    cfg.model_config = types.SimpleNamespace(architecture="DeepseekV41ForCausalLM", is_moe=False)
     return cfg
 
 

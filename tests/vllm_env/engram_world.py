@@ -4,7 +4,10 @@ import json
 import subprocess
 from pathlib import Path
 
-from vllm_env.ple_world import VLLM_033, VLLM_PYTHON, free_port, vllm_env
+try:
+    from vllm_env.ple_world import VLLM_033, VLLM_PYTHON, free_port, vllm_env
+except ImportError:  # imported as tests.vllm_env.engram_world (the benchmark)
+    from tests.vllm_env.ple_world import VLLM_033, VLLM_PYTHON, free_port, vllm_env
 
 RANK = Path(__file__).parent / "engram_rank.py"
 
