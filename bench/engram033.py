@@ -79,7 +79,8 @@ def _measure(reports: list[dict], way: str) -> dict:
                 written += nbytes
         private += c["rss_anon_growth"]
     return {"seconds": max(c["seconds"] for c in cases),
-            "attach_seconds": max(c.get("attach_seconds", 0.0) for c in cases), "written_bytes": written, "shmem_bytes": shmem,
+            "attach_seconds": max(c.get("attach_seconds", 0.0) for c in cases), "written_bytes": written,
+            "shmem_bytes": shmem,
             "private_bytes": private, "views": way == "pled" and all(
                 p.get("expected") == p["ptr"] for c in cases for rec in c["layers"].values()
                 for p in rec["params"].values())}
