@@ -178,6 +178,15 @@ def run_case(case: dict, spec: dict, fake, copies) -> dict:
     files = sorted(os.path.join(checkpoint, f) for f in os.listdir(checkpoint) if f.endswith(".safetensors"))
     share = case.get("share", True)
     out: dict = {}
+    if os.environ.get("PLED_SOCKET") and case.get("warm", True):  # pled's tables attached (mapped, pre-faulted)
+        from pled.client import held_files
+
+        start = time.perf_counter()
+        try:
+            held_files.state()
+        except Exception:  # noqa: BLE001 (the case itself says why)
+            pass
+        out["attach_seconds"] = time.perf_counter() - start
     gc.collect()
     before, calls, copied, shm_before, maps = rss_anon(), len(fake.calls), len(copies), shm_files(), anon_maps()
     start = time.perf_counter()
