@@ -42,7 +42,7 @@ MUTATIONS = [
              "pled/client/safe_open_seam.py", "            return self._own(index).tensor(e, file_shape=True)\n",
              "            return self._private().tensor(e, file_shape=True)\n", (FIDELITY,)),
     Mutation("numpy's get_tensor returns pled's read-only array", "pled/client/safe_open_seam.py",
-             "            return self._own(index).array(e)\n", "            return self._table.array(index)\n",
+             "            return self._own(index).array(e)  #", "            return self._table.array(index)  #",
              (FIDELITY,)),
     Mutation("a private view mapped shared (a write would reach pled's pages: refused by the seal, or worse)",
              "pled/client/private_views.py", "flags=mmap.MAP_PRIVATE | MAP_NORESERVE,",
