@@ -298,9 +298,11 @@ def parser() -> argparse.ArgumentParser:
                         "or pled's user); exit 0 once it is staged")
     s.set_defaults(func=_verify)
 
-    s = sub.add_parser("gpu-check", parents=[daemon], help="as the vLLM user on the GPU host: what each device "
-                       "supports, the route each table takes and why (docs/operations.md); exit 4 without a device")
-    s.add_argument("--json", action="store_true")
+    s = sub.add_parser("gpu-check", parents=[daemon],
+                       help="as the vLLM user on the GPU host: what each device supports, the route each table takes "
+                            "and why (operations.md, \"What a GPU must support\"); exit 4 without a device")
+    s.add_argument("--json", action="store_true", help="the probe, each table's route and why, as one JSON document "
+                                                       "(default: lines of text)")
     s.set_defaults(func=lambda args: __import__("pled.client.gpu.check", fromlist=["run"]).run(_socket_for(args),
                                                                                              args.json))
 

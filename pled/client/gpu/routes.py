@@ -113,7 +113,7 @@ def refusal(p: Probe, table, what: str, skipped: list[str]) -> str:
     options = []
     if getattr(table, "gpu_access", "read-only") != "writable":
         options.append(f"gpu_access = \"writable\" with writers = [...] for table {table.name} in pled's config "
-                       "(/usr/share/doc/pled/operations.md, \"The writable route\": its trade)")
+                       "(/usr/share/doc/pled/operations.md, \"What a GPU must support\": the writable route's trade)")
     if p.hmm and not hmm_opted_in():
         options.append(f"{HMM_OPT_IN}=1 (pageable access over HMM)")
     options.append("PLED_FALLBACK=disk (vLLM's private pinned copy per rank)")
