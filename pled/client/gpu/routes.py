@@ -21,7 +21,7 @@ import threading
 import weakref
 from dataclasses import dataclass
 
-from pled.client.gpu import registry
+from pled.client.gpu import cuda, registry
 from pled.client.gpu.cuda import MAPPED, RegistrationError
 from pled.client.gpu.probe import Probe
 
@@ -48,6 +48,9 @@ _chosen: dict[tuple[int, int], tuple[weakref.ref, str]] = {}  # (id(table), devi
 def forget() -> None:
     with _lock:
         _chosen.clear()
+
+
+cuda.on_use(forget)
 
 
 def hmm_opted_in() -> bool:
