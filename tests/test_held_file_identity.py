@@ -15,7 +15,7 @@ import safetensors
 import torch
 
 import harness
-from pled.client import held_files, safe_open_seam
+from pled.client import held_files, private_views, safe_open_seam
 from pled.client.held_files import PledUnavailable
 from pled.daemon.sources.safetensors_file import write
 
@@ -87,7 +87,7 @@ def test_a_held_file_replaced_by_rename_at_the_same_size_and_mtime_is_refused_ne
         t = f.get_tensor("w")
         table = held_files._state.tables["m"]
         assert type(f).__name__ == "PledSafeOpen" and np.array_equal(t.numpy(), staged[1])
-        assert table.address <= t.data_ptr() < table.address + table.manifest.region_bytes
+        assert private_views.origin(t.data_ptr())[0] is table  # the region's pages, mapped copy-on-write
     assert held_files._state.lookup(str(changed)) is None and torch.equal(t, torch.from_numpy(staged[1]))
 
 
@@ -125,8 +125,9 @@ def test_a_hugging_face_snapshot_is_one_set_of_files_from_its_links_and_from_its
                 x, y, want = a.get_tensor(name), b.get_tensor(name), disk.get_tensor(name)
                 assert torch.equal(x.view(torch.uint8), want.view(torch.uint8)) and torch.equal(
                     y.view(torch.uint8), want.view(torch.uint8)), name
-                inside = table.address <= x.data_ptr() < table.address + table.manifest.region_bytes
-                assert inside == (name in ple) and (x.data_ptr() == y.data_ptr()) == (name in ple), name
+                found = private_views.origin(x.data_ptr())  # the region's pages, mapped copy-on-write per handle
+                assert (found is not None and found[0] is table) == (name in ple), name
+                assert (found is not None and found == private_views.origin(y.data_ptr())) == (name in ple), name
         assert st.served == {("ple", "safe_open"): {blob}}  # one file, however it was named
     finally:
         state = held_files._state

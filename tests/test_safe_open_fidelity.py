@@ -3,11 +3,16 @@
 A real `pled serve` holds a generic table of files written by safetensors itself (torch and numpy) and by pled's
 writer, which does not align tensors (a U8 tensor of odd length first puts the rest at odd offsets). The same calls
 go to the real safe_open and to the wrapped one on the same file; results must be equal (tensor values bit for bit,
-dtype, shape, type) and so must the exception types and messages. pled's side must come from the region.
+dtype, shape, type, strides, contiguity, storage offset, writability) and so must the exception types and messages.
+The calls include writes into what get_tensor and get_slice return (safetensors hands out writable tensors: a
+private mapping of the file per handle for "pt" with "mmap", copies otherwise): they must succeed or fail alike, and
+show in the same later results. pled's side must come from the region (its shared mapping, or a copy-on-write
+mapping of it), and no write may reach the region: after each call sequence it still holds the file's bytes.
 """
 import gc
 import importlib
 import logging
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -21,7 +26,7 @@ from safetensors import SafetensorError
 from safetensors._safetensors_rust import safe_open as REAL
 
 import harness
-from pled.client import held_files, mapped_table, safe_open_seam
+from pled.client import held_files, private_views, safe_open_seam, tensor_views
 from pled.daemon.sources.safetensors_file import read_header, write
 from pled.shared.region import DTYPE_BITS
 
@@ -109,21 +114,33 @@ def wrapped(pled_files, monkeypatch):
 
 
 def in_region(value) -> bool:
+    """Whether ``value`` lies in pled's region: its shared mapping, or a copy-on-write mapping of it."""
     table = held_files._state.tables["fid"]
     start, end = table.address, table.address + table.manifest.region_bytes
     ptr = value.data_ptr() if isinstance(value, torch.Tensor) else value.ctypes.data
-    return start <= ptr < end
+    found = private_views.origin(ptr)
+    return start <= ptr < end or (found is not None and found[0] is table)
+
+
+def layout(value) -> tuple:
+    """What a caller can see of a result besides its values: strides, contiguity, storage offset, writability."""
+    if isinstance(value, torch.Tensor):
+        return (value.stride(), value.is_contiguous(), value.storage_offset(),
+                value.untyped_storage().nbytes() - value.storage_offset() * value.element_size() >= value.nbytes)
+    return (value.strides, value.flags.c_contiguous, value.flags.f_contiguous, value.flags.writeable)
 
 
 def same(mine, theirs) -> None:
     assert type(mine) is type(theirs), (type(mine), type(theirs))
     if isinstance(theirs, torch.Tensor):
         assert (mine.dtype, mine.shape) == (theirs.dtype, theirs.shape)
+        assert layout(mine) == layout(theirs), (layout(mine), layout(theirs))
         as_bytes = [torch.empty(t.numel(), dtype=t.dtype).copy_(t.reshape(-1)).view(torch.uint8) for t in (mine,
                                                                                                          theirs)]
         assert torch.equal(*as_bytes)
     elif isinstance(theirs, np.ndarray):
         assert (mine.dtype, mine.shape) == (theirs.dtype, theirs.shape) and mine.tobytes() == theirs.tobytes()
+        assert layout(mine) == layout(theirs), (layout(mine), layout(theirs))
     elif isinstance(theirs, dict) and all(isinstance(v, str) for v in theirs.values()):
         assert mine == theirs  # metadata: safetensors' order is its hash map's, which varies
     elif isinstance(theirs, dict):
@@ -155,18 +172,34 @@ def calls_on(file: str):
     name = st.sampled_from(NAMES_IN[file] + ["zz", "", "T.F32", 0])  # 0: not a name at all
     call = st.one_of(
         st.sampled_from([("keys",), ("offset_keys",), ("metadata",), ("get_tensors",), ("prefetch",), ("exit",)]),
-        st.tuples(st.just("get_tensor"), name), st.tuples(st.just("get_slice"), name, INDEX))
+        st.tuples(st.just("get_tensor"), name), st.tuples(st.just("get_slice"), name, INDEX),
+        st.tuples(st.sampled_from(["write", "write_slice"]), name, st.integers(0, 40)))
     return st.tuples(st.just(file), st.lists(call, min_size=1, max_size=8))
 
 
 CASES = st.sampled_from(sorted(NAMES_IN)).flatmap(calls_on)
 
 
+def poke(value, at: int) -> None:
+    """Flip the low bit of one byte of ``value`` (a tensor or array that get_tensor or get_slice returned)."""
+    if isinstance(value, np.ndarray):
+        flat = value.reshape(-1).view(np.uint8)
+    else:
+        flat = value.reshape(-1).view(torch.uint8)
+    if flat.shape[0]:
+        flat[at % flat.shape[0]] ^= 1
+
+
 def run(handle, call, real_handle=None):
-    """One call on a handle; get_slice is followed by its shape, dtype and one index."""
+    """One call on a handle; get_slice is followed by its shape, dtype and one index. A write: get_tensor (or
+    get_slice(name)[...]) and one byte of the result changed; the result is returned for comparing."""
     what, *args = call
     if what == "exit":
         return handle.__exit__(None, None, None)
+    if what in ("write", "write_slice"):
+        value = handle.get_tensor(args[0]) if what == "write" else handle.get_slice(args[0])[...]
+        poke(value, args[1])
+        return value
     if what == "prefetch" and real_handle is not None and not hasattr(real_handle, "prefetch"):
         real_handle.metadata()  # a safetensors without prefetch(plan): what it would do, "File is closed" or None
         return None
@@ -189,6 +222,8 @@ def compare(mine, theirs, call, framework: str, backend: str, sliced: bool = Fal
         assert mine[0] == theirs[0] == "raised", (call, mine, theirs)
         a, b = mine[1], theirs[1]
         slicer = framework in ("np", "numpy") or backend == "pread"
+        if (type(a), str(a)) == (type(b), str(b)):
+            return False  # the same error (a reversed slice that fails on a negative bound first, too)
         if sliced and slicer and type(b) is not SafetensorError and reversed_slice(call[2]):
             assert type(a) is SystemError, (call, a, b)  # a start past its stop: safetensors' slicer fails as it may
         elif sliced and type(b) is RuntimeError and call[1] == "u.f4":
@@ -222,11 +257,25 @@ def slicing(file: str, name: str, index, framework: str = "np", **opening):
                              ("prefetch",)]), framework="pt", opening={"backend": "pread"}, use_with=True)
 @example(case=("torch", [("metadata",), ("offset_keys",), ("get_tensors",)]), framework="numpy", opening={},
          use_with=False)
+# writes: into get_tensor's and get_slice's results, then what the same handle gives after them (shared by the handle
+# for "pt" with "mmap", each result its own otherwise), an F4 tensor's halved bytes included
+@example(case=("torch", [("write", "cube", 5), ("get_tensor", "cube"), ("get_slice", "cube", (0, slice(1, 3)))]),
+         framework="pt", opening={}, use_with=False)
+@example(case=("torch", [("write_slice", "t.bf16", 3), ("get_tensor", "t.bf16"), ("write", "t.bf16", 3)]),
+         framework="pt", opening={"backend": "mmap"}, use_with=True)
+@example(case=("unaligned", [("write", "u.f4", 1), ("get_tensor", "u.f4"), ("get_slice", "u.f4", Ellipsis)]),
+         framework="pt", opening={}, use_with=False)
+@example(case=("unaligned", [("write", "u.f64", 7), ("get_tensor", "u.f64")]), framework="pt",
+         opening={"backend": "pread"}, use_with=False)
+@example(case=("numpy", [("write", "a.int32", 2), ("get_tensor", "a.int32"), ("write", "a.scalar", 0)]),
+         framework="np", opening={}, use_with=False)
 @given(case=CASES, framework=st.sampled_from(["pt", "np", "torch", "numpy"]), use_with=st.booleans(),
        opening=st.sampled_from([{}, {"device": "cpu"}, {"device": None}, {"backend": "mmap"}, {"backend": "pread"}]))
 def test_pled_safe_open_matches_safetensors_call_for_call(pled_files, wrapped, case, framework, opening, use_with):
     file, calls = case
     path = pled_files.files[file]
+    if any(c[0] in ("write", "write_slice") for c in calls):
+        calls = calls + [("get_tensors",)]  # what the writes left in the handle's later results
     theirs, mine = REAL(path, framework, **opening), wrapped(path, framework, **opening)
     assert type(mine).__name__ == "PledSafeOpen"  # served by pled, not passed to the file
     if use_with:
@@ -237,6 +286,11 @@ def test_pled_safe_open_matches_safetensors_call_for_call(pled_files, wrapped, c
             values = a[1].values() if isinstance(a[1], dict) else [a[1]]
             for v in values:  # zero copy: pled's tensors and arrays are the region's bytes
                 assert v.nbytes == 0 or in_region(v), call
+    table, data = held_files._state.tables["fid"], Path(path).read_bytes()
+    begins = {t.name: t.begin for t in read_header(path).tensors}
+    for name, index in table.shard_entries(held_files._state.lookup(path).shard.index).items():
+        e = table.manifest.tensors[index]  # no write reached pled's pages: the region still holds the file's bytes
+        assert table.buffer[e.offset:e.offset + e.nbytes] == data[begins[name]:begins[name] + e.nbytes], name
 
 
 def test_unaligned_tensors_are_read_where_they_lie(pled_files, wrapped):
@@ -297,7 +351,7 @@ def test_backend_is_taken_as_the_installed_safe_open_takes_it(pled_files, wrappe
 def test_a_dtype_this_torch_cannot_view_sends_the_file_to_disk_with_one_warning(pled_files, wrapped, monkeypatch,
                                                                                    caplog):
     """Dropping F8_E8M0 from pled's dtypes stands in for an older torch, one without float8_e8m0fnu."""
-    monkeypatch.delitem(mapped_table._TORCH_DTYPES, "F8_E8M0")
+    monkeypatch.delitem(tensor_views._TORCH_DTYPES, "F8_E8M0")
     path = pled_files.files["torch"]
     with caplog.at_level(logging.WARNING, logger="vllm.pled"):
         for _ in range(2):

@@ -139,8 +139,11 @@ def test_every_rank_of_every_form_views_its_rows_and_refuses_a_change_in_them_on
                 assert p["mapping"].startswith(f"r--s /memfd:pled:{form}-{dtype}"), (what, p["mapping"])
                 assert p["pinned"] and p["shape"][0] == share, (what, p)
             assert rec["equal_to_upstream"] == {n: True for n in rec["digests"]}, (what, rec["equal_to_upstream"])
+            # the checkpoint's tensors were pled's (copy-on-write views of the same rows): none compared by reading
+            assert rec["rows_compared"] == 0, what
             for other in range(WORLD):
                 got = report["cases"][f"{form}-{dtype}-changed-{other}"]["layers"]["0"]
+                assert "error" in got or got["rows_compared"] > 0, (what, other)  # read from disk: compared
                 if other == rank:  # the changed row is this rank's: refused, naming the tensor, in one line
                     error = got.get("error", "")
                     assert f"{changed[form, dtype, other]} differs from the rows pled's region holds" in error, \

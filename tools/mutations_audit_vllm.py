@@ -37,11 +37,11 @@ MUTATIONS = [
              (REWRITTEN,)),
     # Expert parallelism: pled's iterator skips exactly the expert weights vLLM's skips.
     Mutation("whole files served from pled's region yield every rank's expert weights", "pled/client/vllm_plugin.py",
-             "            for name, tensor in h.table.shard_tensors(h.shard.index).items():\n"
+             "            for name, index in entries.items():\n"
              "                if not module.should_skip_weight(name, experts):\n"
-             "                    yield name, tensor\n",
-             "            for name, tensor in h.table.shard_tensors(h.shard.index).items():\n"
-             "                yield name, tensor\n",
+             "                    yield name, mapping.tensor(tensors[index])\n",
+             "            for name, index in entries.items():\n"
+             "                yield name, mapping.tensor(tensors[index])\n",
              (EXPERTS,)),
     Mutation("a checkpoint file pled holds the PLE tensors of yields every rank's expert weights",
              "pled/client/vllm_plugin.py",

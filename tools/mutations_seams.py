@@ -27,8 +27,35 @@ RANKS = ("tests/test_vllm_033_ple_ranks.py::"
 SNAPSHOT = ("tests/test_held_file_identity.py::"
             "test_a_hugging_face_snapshot_is_one_set_of_files_from_its_links_and_from_its_blobs")
 CK = "tests/test_checkpoint_tables.py::"
+FIDELITY = "tests/test_safe_open_fidelity.py::test_pled_safe_open_matches_safetensors_call_for_call"
+PRIVATE = "tests/test_private_views.py"
 
 MUTATIONS = [
+    # 3: what pled hands out in place of safetensors' tensors: writable as theirs, shared as theirs, never pled's pages.
+    Mutation("safe_open's pt tensors are views of pled's read-only shared mapping (a write faults)",
+             "pled/client/safe_open_seam.py", "        return self._private().tensor(e)  #",
+             "        return self._table.view(index).detach()  #", (FIDELITY,)),
+    Mutation("safe_open's pt/mmap tensors each in their own mapping (a write not seen by the handle's next ones)",
+             "pled/client/safe_open_seam.py", "        return self._private().tensor(e)  #",
+             "        return self._own(index).tensor(e)  #", (FIDELITY,)),
+    Mutation("the pread backend's tensors share the handle's mapping (a write shows in the next get_tensor)",
+             "pled/client/safe_open_seam.py", "            return self._own(index).tensor(e, file_shape=True)\n",
+             "            return self._private().tensor(e, file_shape=True)\n", (FIDELITY,)),
+    Mutation("numpy's get_tensor returns pled's read-only array", "pled/client/safe_open_seam.py",
+             "            return self._own(index).array(e)  #", "            return self._table.array(index)  #",
+             (FIDELITY,)),
+    Mutation("a private view mapped shared (a write would reach pled's pages: refused by the seal, or worse)",
+             "pled/client/private_views.py", "flags=mmap.MAP_PRIVATE | MAP_NORESERVE,",
+             "flags=mmap.MAP_SHARED | MAP_NORESERVE,", (PRIVATE, FIDELITY)),
+    Mutation("a written page of a private view taken as pled's own", "pled/client/private_views.py",
+             "    return not bool(own.any())\n", "    return True\n", (PRIVATE,)),
+    Mutation("the identity of rows checked by table and offset alone, written pages or not",
+             "pled/client/private_views.py",
+             "    return source.is_contiguous() and unwritten(",
+             "    return source.is_contiguous() or unwritten(", (PRIVATE,)),
+    Mutation("the compare-only loader takes only the same address as the same rows (every start reads them)",
+             "pled/client/ple_seams.py", "    if private_views.same_rows(table, source, target):\n",
+             "    if source.data_ptr() == target.data_ptr():\n", (RANKS,)),
     # 5: a Hugging Face snapshot (links into blobs/) is the same files, from its links and from its blobs.
     Mutation("a held file looked up by the path as given (a snapshot's link is not its blob)",
              "pled/client/held_files.py",

@@ -223,8 +223,10 @@ def _compare(param, loaded_weight) -> None:
         raise PledUnavailable(f"pled: {_name(table, param)} is {loaded_weight.dtype}, and vLLM's Engram parameter "
                               f"{param.dtype}: a cast, which pled's sealed table cannot take; serve the checkpoint's "
                               "own bytes (F8_E4M3 values, F8_E8M0 scales)")
-    if shard.data_ptr() == param.data_ptr() and shard.stride() == param.stride():
-        return  # pled served the checkpoint's tensor from the same array: the same bytes
+    from pled.client import private_views  # numpy: only once vLLM loads weights
+
+    if private_views.same_rows(table, shard, param):
+        return  # pled served the checkpoint's tensor from the same array (a copy-on-write view of it): the same bytes
     if not torch.equal(shard.contiguous().view(torch.uint8), param.data.view(torch.uint8)):
         raise PledUnavailable(f"pled: {_name(table, param)} differs from the rows pled's region holds for it (table "
                               f"{table.name} generation {table.generation}): the checkpoint changed since pled "

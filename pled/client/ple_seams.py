@@ -12,8 +12,9 @@ pled serving the checkpoint's PLE tables as arrays (a ``checkpoint`` table), thr
 - ``PLEVocabParallelEmbedding.weight_loader`` (never ``VocabParallelEmbedding``'s, which every embedding uses): where
   the destination lies in pled's mapping (by address: vLLM's parameter wrappers drop attributes), upstream's checks,
   then a comparison instead of the copy; a difference or a cast is refused naming the tensor; nothing is written.
-  The checkpoint's shard tensors come from pled too (the loader seams serve a file's tensors), so the comparison is
-  an identity check and no PLE byte is read from disk.
+  The checkpoint's shard tensors come from pled too (the loader seams serve a file's tensors, as copy-on-write
+  views of the same pages: pled.client.private_views), so the comparison is an identity check (the same table and
+  offset, and no page of them written in this process) and no PLE byte is read from disk.
 - The module's own ``get_accelerator_view_from_cpu_tensor`` (``gpu.guard_uva``): for a pled tensor, the view its
   route allows (pinned: the helper's own zero-copy view; pageable: a device tensor at the host address), and never
   the helper's silent private copy (a pled tensor that is not pinned is refused).
@@ -250,9 +251,12 @@ def _compare(layer, table, param, loaded, checkpoint_start) -> None:
             return
         source = loaded.narrow(0, overlap.source_start, overlap.row_count)
         target = param.narrow(0, overlap.destination_start, overlap.row_count)
-    if source.data_ptr() == target.data_ptr() and source.stride() == target.stride():
+    from pled.client import private_views  # numpy: only once vLLM loads weights
+
+    if private_views.same_rows(table, source, target):
         return  # pled served the checkpoint's tensor from the same array: the same bytes
     if not torch.equal(source.contiguous().view(torch.uint8), target.view(torch.uint8)):
         raise PledUnavailable(f"pled: {name()} differs from the rows pled's region holds for it (table {table.name} "
                               "generation "f"{table.generation}): the checkpoint changed since pled staged it; run "
                               "`pled reload`, then start vLLM again")
+

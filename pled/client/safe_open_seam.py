@@ -3,8 +3,12 @@
 Code that reads a sidecar itself (the PLE offload worker: ``from safetensors import safe_open``,
 ``safe_open(shard, framework="pt")``, ``get_tensor()``) gets an object that behaves as safetensors' own (0.8.0:
 the same methods, results and exception types; tests/test_safe_open_fidelity.py), whose tensors (numpy arrays
-for "np") are read-only views of pled's region: zero copy, and the file is not read. They stay valid after the
-handle is closed or dropped. Slices are copies where safetensors copies them ("np", or backend "pread").
+for "np") are views of pled's region: zero copy, and the file is not read. They are writable as safetensors' are,
+copy-on-write (pled.client.private_views): with "pt" and the "mmap" backend every tensor of one handle lies in one
+private mapping, so a write shows in that handle's later tensors and slices and nowhere else, as in safetensors'
+private mapping of the file; otherwise each tensor is its own, as safetensors' copies are. No write reaches pled's
+pages. They stay valid after the handle is closed or dropped. Slices are copies where safetensors copies them
+("np", or backend "pread").
 
 Files pled does not hold, loads to a device other than the CPU, arguments pled does not serve (an unknown
 keyword, a ``backend`` other than "mmap" or "pread", or any ``backend`` where the installed safe_open takes
@@ -121,9 +125,10 @@ class _Slice:
     """safetensors' PySafeSlice: the shape and dtype as the file gives them; indexing as safetensors does it for
     the framework and backend (torch's own indexing for "pt" with "mmap", else safetensors' slicer, a copy)."""
 
-    def __init__(self, table, index: int, numpy: bool, pread: bool) -> None:
-        self._table, self._index, self._numpy, self._slicer = table, index, numpy, numpy or pread
-        self._entry = table.manifest.tensors[index]
+    def __init__(self, handle: PledSafeOpen, index: int) -> None:
+        self._handle, self._table, self._index = handle, handle._table, index
+        self._numpy, self._slicer = handle._numpy, handle._numpy or handle._pread
+        self._entry = handle._table.manifest.tensors[index]
 
     def get_shape(self) -> list[int]:
         return list(self._entry.shape)
@@ -134,7 +139,7 @@ class _Slice:
     def __getitem__(self, index):
         table, i, e = self._table, self._index, self._entry
         if not self._slicer:
-            return table.file_view(i)[index]  # safetensors' torch storage, indexed by torch
+            return self._handle._private().tensor(e, file_shape=True)[index]  # the handle's storage, indexed by torch
         from pled.shared.region import DTYPE_BITS
 
         picks, shape = _indexers(e.shape, DTYPE_BITS[e.dtype], index)
@@ -158,6 +163,7 @@ class PledSafeOpen:
         self._open = True
         self._opener = real  # () -> the real safe_open of this file, for attributes this class does not define
         self._real = None
+        self._mapping = None  # "pt" with "mmap": the handle's one private mapping of its tensors' bytes, once used
         self._metadata: list | None = None  # [the header's __metadata__], once read
 
     def _check(self) -> None:
@@ -182,6 +188,23 @@ class PledSafeOpen:
             if not self._open:
                 self._real.__exit__(None, None, None)
         return self._real
+
+    def _private(self):
+        """This handle's copy-on-write mapping of the bytes its tensors lie in (made on first use)."""
+        if self._mapping is None:
+            from pled.client.private_views import PrivateMapping
+
+            tensors = self._table.manifest.tensors
+            spans = [(tensors[i].offset, tensors[i].offset + tensors[i].nbytes) for i in self._entries.values()]
+            self._mapping = PrivateMapping(self._table, min(lo for lo, _ in spans), max(hi for _, hi in spans))
+        return self._mapping
+
+    def _own(self, index: int):
+        """A mapping of tensor ``index``'s bytes for one result alone (safetensors copies it for each call)."""
+        from pled.client.private_views import PrivateMapping
+
+        e = self._table.manifest.tensors[index]
+        return PrivateMapping(self._table, e.offset, e.offset + e.nbytes)
 
     def keys(self) -> list[str]:
         self._check()
@@ -210,11 +233,12 @@ class PledSafeOpen:
         index = self._find(name)
         if index is None:
             return self._file().get_tensor(name)
+        e = self._table.manifest.tensors[index]
         if self._numpy:
-            return self._table.array(index)
+            return self._own(index).array(e)  # a dtype numpy lacks fails as under safetensors
         if self._pread:
-            return self._table.file_view(index)
-        return self._table.view(index).detach()  # a tensor of its own, as safetensors gives: the table's view stays
+            return self._own(index).tensor(e, file_shape=True)
+        return self._private().tensor(e)  # a tensor of its own over the handle's storage, as safetensors gives
 
     def get_tensors(self) -> dict:
         return {name: self.get_tensor(name) for name in self.offset_keys()}
@@ -223,7 +247,7 @@ class PledSafeOpen:
         index = self._find(name)
         if index is None:
             return self._file().get_slice(name)
-        return _Slice(self._table, index, self._numpy, self._pread)
+        return _Slice(self, index)
 
     def prefetch(self, plan=None) -> None:
         """safetensors' prefetch (its main branch, unreleased): nothing to fetch, the tensors are in memory."""

@@ -69,8 +69,9 @@ def _wrap_iterator(original, module):
     """vLLM's iterator, called once per call with every file pled does not hold and every argument it was
     given (its prefetch shards by rank over that whole list, sizes it against RAM, draws one progress bar);
     the files pled holds are yielded from the region, in vLLM's order, after the original's: whole files from the
-    region, and a checkpoint file pled holds the PLE tensors of (an arrays table) through safe_open, as vLLM's own
-    iterator reads it, its PLE tensors from the region (outside vLLM's prefetch, which would read them)."""
+    region (writable, as vLLM's own are: copy-on-write, pled.client.private_views), and a checkpoint file pled
+    holds the PLE tensors of (an arrays table) through safe_open, as vLLM's own iterator reads it, its PLE tensors
+    from the region (outside vLLM's prefetch, which would read them)."""
     import inspect
 
     from pled.client import held_files
@@ -103,9 +104,16 @@ def _wrap_iterator(original, module):
                         if not module.should_skip_weight(name, experts):
                             yield name, f.get_tensor(name)
                 continue
-            for name, tensor in h.table.shard_tensors(h.shard.index).items():
+            entries = h.table.shard_entries(h.shard.index)
+            tensors = h.table.manifest.tensors
+            if entries:  # as vLLM's own (safe_open "pt"): writable tensors over one private mapping of the file
+                from pled.client.private_views import PrivateMapping
+
+                mapping = PrivateMapping(h.table, min(tensors[i].offset for i in entries.values()),
+                                         max(tensors[i].offset + tensors[i].nbytes for i in entries.values()))
+            for name, index in entries.items():
                 if not module.should_skip_weight(name, experts):
-                    yield name, tensor
+                    yield name, mapping.tensor(tensors[index])
         if served:
             st.report(ITERATOR)
 

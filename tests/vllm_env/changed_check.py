@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from pled.client import held_files, vllm_plugin
+from pled.client import held_files, private_views, vllm_plugin
 
 vllm_plugin.register()  # what vLLM's plugin loader does in each of its processes
 
@@ -53,7 +53,8 @@ os.environ["PLED_FALLBACK"] = "disk"
 table = held_files.current().tables[args["table"]]
 lo, hi = table.address, table.address + table.manifest.region_bytes
 pairs = list(wu.safetensors_weights_iterator(held, False))
-out["fallback"] = sorted([name, sha(t), lo <= t.data_ptr() < hi] for name, t in pairs)
+out["fallback"] = sorted([name, sha(t), lo <= t.data_ptr() < hi or private_views.origin(t.data_ptr()) is not None]
+                         for name, t in pairs)  # the region's pages: shared, or mapped copy-on-write
 with safe_open(changed, framework="pt") as f:
     out["fallback_safe_open"] = sorted([name, sha(f.get_tensor(name))] for name in f.keys())
 del os.environ["PLED_SOCKET"]  # vLLM without pled: the seams pass every call through

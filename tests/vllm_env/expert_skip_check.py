@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from pled.client import held_files, vllm_plugin
+from pled.client import held_files, private_views, vllm_plugin
 
 vllm_plugin.register()
 
@@ -50,7 +50,8 @@ for case, positional in calls:
     out["calls"][case + ("/positional" if positional else "")] = {
         "ids": None if cases[case] is None else sorted(cases[case]),
         "pled": sorted([name, sha(t)] for name, t in pairs),
-        "in_region": sorted(name for name, t in pairs if any(lo <= t.data_ptr() < hi for lo, hi in spans))}
+        "in_region": sorted(name for name, t in pairs if any(lo <= t.data_ptr() < hi for lo, hi in spans)
+                            or private_views.origin(t.data_ptr()) is not None)}  # copy-on-write views of a table
 del os.environ["PLED_SOCKET"]  # vLLM without pled: the seams pass every call through
 for case, positional in calls:
     out["calls"][case + ("/positional" if positional else "")]["vllm"] = sorted(

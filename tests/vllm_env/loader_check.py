@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from pled.client import held_files, vllm_plugin
+from pled.client import held_files, private_views, vllm_plugin
 from pled.shared.pagecache import cached_bytes
 
 vllm_plugin.register()  # what vLLM's plugin loader does in each of its processes
@@ -74,11 +74,12 @@ out["torchao"]["sized"] = list(calls["sized"])
 table = next(iter(held_files._state.tables.values()))
 lo, hi = table.address, table.address + table.manifest.region_bytes
 for case, pairs in through_pled.items():
-    out[case]["in_region"] = sorted(name for name, t in pairs if lo <= t.data_ptr() < hi)
+    out[case]["in_region"] = sorted(name for name, t in pairs if lo <= t.data_ptr() < hi or  # shared, or
+                                    private_views.origin(t.data_ptr()) is not None)  # mapped copy-on-write
 with wu.safe_open(held[0], framework="pt") as f:
     out["safe_open_type"] = type(f).__name__
     via_safe_open = {k: f.get_tensor(k) for k in f.keys()}
-out["safe_open_in_region"] = all(lo <= t.data_ptr() < hi for t in via_safe_open.values())
+out["safe_open_in_region"] = all(private_views.origin(t.data_ptr())[0] is table for t in via_safe_open.values())
 out["page_cache_held"] = [cached_bytes(p) for p in held]  # before vLLM reads them without pled, below
 socket = os.environ.pop("PLED_SOCKET")  # vLLM without pled: the seams pass every call through
 for case, paths in cases.items():

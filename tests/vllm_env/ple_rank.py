@@ -27,6 +27,7 @@ import time
 import traceback
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
+EQUAL_CALLS = [0]  # torch.equal calls so far (pled's compare-only loader reads rows with it)
 
 
 def settle() -> None:
@@ -141,6 +142,13 @@ def install_fakes(fake):
         return tensor.clone()  # what the real helper's cudaHostAlloc + cudaMemcpy make: a private pinned copy
 
     torch_utils.get_accelerator_view_from_cpu_tensor = uva_view
+    real_equal = torch.equal
+
+    def equal(a, b):  # counted (not faked): a comparison that reads the rows, where identity would not
+        EQUAL_CALLS[0] += 1
+        return real_equal(a, b)
+
+    torch.equal = equal
     real_empty = torch.empty
 
     def empty(*args, pin_memory=False, **kwargs):
@@ -281,10 +289,11 @@ def run_case(case: dict, spec: dict, fake, real_empty, fake_empty) -> dict:
         gc.collect()
         before, calls, copied = rss_anon(), len(fake.calls), len(spec["_copies"])
         anon_before, aliases = anonymous_mappings(), len(fake.aliases)
-        read_before, start = read_bytes(), time.perf_counter()
+        read_before, start, equal_before = read_bytes(), time.perf_counter(), EQUAL_CALLS[0]
         try:
             module, rec["loaded"] = build_and_load(tc, layer, case.get("params_dtype", "bfloat16"), files)
             rec["seconds"] = time.perf_counter() - start  # from construction to loaded
+            rec["rows_compared"] = EQUAL_CALLS[0] - equal_before  # 0 where each tensor was pled's own rows
             rec["read_bytes"] = read_bytes() - read_before
         except Exception as err:
             rec["error"] = f"{type(err).__name__}: {err}"

@@ -3,7 +3,7 @@ held files come from pled's region, others from disk. Prints JSON. safe_open_che
 import json
 import sys
 
-from pled.client import held_files, vllm_plugin
+from pled.client import held_files, private_views, vllm_plugin
 
 vllm_plugin.register()  # what vLLM does in every process; safetensors is imported after it here
 
@@ -19,7 +19,8 @@ with safe_open(held, framework="pt") as f:
     out["held_keys"] = f.keys()
     out["metadata"] = f.metadata()
     table = held_files._state.tables["model"]
-    out["zero_copy"] = table.address <= t.data_ptr() < table.address + table.manifest.region_bytes
+    found = private_views.origin(t.data_ptr())  # a copy-on-write mapping of the region, as safetensors' of the file
+    out["zero_copy"] = found is not None and found[0] is table
     with safe_open.__wrapped__(held, framework="pt") as disk:
         out["equal"] = all(torch.equal(f.get_tensor(k), disk.get_tensor(k)) for k in f.keys())
         out["slice_equal"] = torch.equal(f.get_slice(name)[:2], disk.get_slice(name)[:2])
