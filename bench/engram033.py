@@ -137,7 +137,7 @@ def engram033_section(res: dict) -> list[str] | None:
              f"{r['table_bytes'] / GiB:.2f} GiB of tables; pled's region adds {r['region_shmem_bytes'] / GiB:.2f} "
              "GiB to Shmem, once for every process and every restart. Each world is vLLM 0.33's real classes in gloo "
              "processes, only the CUDA calls faked (no GPU here); the checkpoint's page cache warm for every way. "
-             "Medians, (min-max).", "",
+             "Medians, (min-max)." + (f" Measured by `{r['command']}`." if r.get("command") else ""), "",
              "| DP x TP | way | pled's tables attached (slowest rank) | construction to loaded (slowest rank) | table "
              "bytes written | /dev/shm for the table | private memory, all ranks | x pled's time |",
              "|---|---|---|---|---|---|---|---|"]
@@ -196,6 +196,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="pled-engram033-", dir="/var/tmp") as work:
         res = {"engram033": bench(Path(work), lambda name, tables: start(Path(work), tables, name=name, wait=None),
                                   a.repeats, a.size_gib)}
+    res["engram033"]["command"] = "python -m bench.engram033 " + " ".join(sys.argv[1:])
     Path(a.json).write_text(json.dumps(res, indent=2) + "\n")
     print("\n".join(engram033_section(res) or []))
     print("\n".join(f"{'met' if ok else 'NOT MET'}: {text}" for ok, text in engram033_verdicts(res) or []))

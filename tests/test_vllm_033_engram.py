@@ -107,9 +107,12 @@ def test_every_rank_views_pleds_sealed_region_and_equals_upstreams(served, dp, t
     assert all(len(v) == 1 for v in by_tp.values()) and len(by_tp) == tp
 
 
-def test_a_64mib_dev_shm_keeps_sharing_on_with_one_copy(served):
-    """Each rank in its own mount namespace with a 64 MiB tmpfs at /dev/shm (a container's default): upstream cannot
-    share (it falls back to splitting heads over DP), pled's copy is shared, and no file is made there."""
+def test_a_64mib_dev_shm_keeps_sharing_on_with_one_copy(served, tmp_path):
+    """The ranks in one mount namespace with a 64 MiB tmpfs at /dev/shm (a container's default; one namespace, as
+    the ranks of one container share it, and vLLM tells the node by /dev/shm): upstream cannot share (it falls back to
+    splitting heads over DP), pled's copy is shared, and no file is made there."""
+    import sys
+
     pled, ck, _ = served
     small = ["unshare", "-m", "sh", "-c", 'mount -t tmpfs -o size=64m tmpfs /dev/shm && exec "$@"', "sh"]
     if subprocess.run([*small, "true"], capture_output=True).returncode != 0:
@@ -120,20 +123,32 @@ def test_a_64mib_dev_shm_keeps_sharing_on_with_one_copy(served):
         _, c = make_engram_checkpoint(str(d), big, files=2)
         assert sum(c["engram_num_embeddings"]) * 264 > 64 * MiB
     other = harness.start(ck.parent, {"big": {"checkpoint": d}}, headroom_margin="64MiB")
+    out = tmp_path / "reports.json"
+    cases = [{"name": "pled", "upstream": True, "env": {"PLED_SOCKET": other.socket}}]
+    driver = ("import json, sys; from vllm_env.engram_world import run_world; "
+              "r = run_world(2, 1, sys.argv[1], json.loads(sys.argv[2])); "
+              "df = __import__('os').statvfs('/dev/shm'); "
+              "json.dump({'reports': r, 'shm_bytes': df.f_blocks * df.f_frsize}, open(sys.argv[3], 'w'))")
     try:
-        reports = run_world(2, 1, str(d), [{"name": "pled", "upstream": True,
-                                            "env": {"PLED_SOCKET": other.socket}}], prefix=small)
+        r = subprocess.run([*small, sys.executable, "-c", driver, str(d), json.dumps(cases), str(out)],
+                           capture_output=True, text=True, timeout=1500, cwd=Path(__file__).parent,
+                           env=os.environ | {"PYTHONPATH": f"{Path(__file__).parent}:{Path(__file__).parent.parent}"})
     finally:
         other.stop()
-    for report in reports:
+    assert r.returncode == 0, r.stderr[-5000:]
+    doc = json.loads(out.read_text())
+    assert doc["shm_bytes"] == 64 * MiB
+    for report in doc["reports"]:
         case = report["cases"]["pled"]
         assert "error" not in case, case.get("traceback")
+        assert report["edp"] == 2  # one node: the Engram DP group holds both replicas
         assert case["shared"] is True and case["upstream_shared"] is False  # upstream: no room, heads over DP
         assert case["shm_files_made"] == [] and case["big_new_maps"] == []
         for rec in case["layers"].values():
             assert rec["dp_size"] == 1 and not rec["upstream_shared_memory"]
             assert all(p["mapping"].startswith("r--s /memfd:pled:big") for p in rec["params"].values())
-        assert "Sharding the offloaded Engram tables across DP replicas" in report["stderr"]  # upstream's warning
+    # upstream's own warning (vLLM logs it once, on its first rank)
+    assert any("Sharding the offloaded Engram tables across DP replicas" in rep["stderr"] for rep in doc["reports"])
 
 
 def flip_one_byte(path: Path, name: str) -> None:
