@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench import hugepages, offload, ple033, report, soak, status_cli, table_gather  # sections 5-10, by number
+from bench import engram033, hugepages, offload, ple033, report, soak, status_cli, table_gather  # sections 5-11
 from bench.common import SHMEM, cpu_busy, log, settle  # noqa: F401 (shared: bench/common.py)
 from pled.daemon.regions import staging
 from pled.daemon.sources.sidecar import open_table
@@ -297,6 +297,8 @@ def main() -> int:
                    help="do not switch shmem_enabled to advise for the huge-page runs")
     p.add_argument("--soak-seconds", type=float, default=120.0, help="bench/soak.py's duration (0: skip it)")
     p.add_argument("--ple033-gib", type=float, default=2.0, help="section 10's PLE tables (vLLM 0.33's own path)")
+    p.add_argument("--engram033-gib", type=float, default=2.0,
+                   help="section 11's DeepSeek V4.1 Engram tables (4 GiB where the host has the memory to spare)")
     p.add_argument("--workdir", default="/var/tmp")
     p.add_argument("--out", default=str(ROOT / "docs" / "BENCHMARKS.md"))
     p.add_argument("--json", default=str(ROOT / "docs" / "benchmarks.json"))
@@ -360,6 +362,8 @@ def main() -> int:
         if (ROOT / ".cache" / "vllm-0.33.0" / ".ready").exists():
             res["ple033"] = ple033.bench(work, lambda name, tables: start(work, tables, name=name, wait=None),
                                          a.repeats, a.ple033_gib)
+            res["engram033"] = engram033.bench(work, lambda name, tables: start(work, tables, name=name, wait=None),
+                                               1, a.engram033_gib)
         else:
             log("section 10 (vLLM 0.33's PLE path) not measured: no .cache/vllm-0.33.0 (make vllm-env makes it)")
         for dm in daemons:

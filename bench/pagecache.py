@@ -89,12 +89,40 @@ def _random_fadvise(real):
     return fadvise
 
 
+class _CountedPauses:
+    """dropbehind's clock, counting the pauses close() makes for readahead still in flight."""
+
+    def __init__(self) -> None:
+        self.paused = 0.0
+
+    def sleep(self, seconds: float) -> None:
+        self.paused += seconds
+        time.sleep(seconds)
+
+
+def _timed_dontneed(real, spent: list[float]):
+    """posix_fadvise, the calls and seconds of its DONTNEEDs counted: the kernel may drain every CPU's LRU
+    batches in one (lru_add_drain_all, when a page it was to drop sits in another CPU's batch)."""
+    def fadvise(fd, offset, length, advice):
+        if advice != os.POSIX_FADV_DONTNEED:
+            return real(fd, offset, length, advice)
+        t = time.perf_counter()
+        try:
+            return real(fd, offset, length, advice)
+        finally:
+            spent.append(time.perf_counter() - t)
+    return fadvise
+
+
 def stage_once(d: Path, files: list[str], variant: str) -> dict:
     real_db, real_fadvise = staging.DropBehind, os.posix_fadvise
+    pauses = dropbehind.time = _CountedPauses()  # type: ignore[assignment]
+    spent: list[float] = []
+    os.posix_fadvise = _timed_dontneed(real_fadvise, spent)
     if variant == "whole-file":
         staging.DropBehind = _WholeFile  # type: ignore[misc]
     elif variant == "random":
-        os.posix_fadvise = _random_fadvise(real_fadvise)
+        os.posix_fadvise = _random_fadvise(os.posix_fadvise)
     try:
         source = open_checkpoint(str(d))
         t, cpu = time.perf_counter(), os.times()
@@ -103,8 +131,11 @@ def stage_once(d: Path, files: list[str], variant: str) -> dict:
         r.close()
     finally:
         staging.DropBehind, os.posix_fadvise = real_db, real_fadvise  # type: ignore[misc]
+        dropbehind.time = time  # type: ignore[assignment]
     cpu_seconds = done.user + done.system - cpu.user - cpu.system  # the process's, kernel's copy included
-    return {"seconds": seconds, "cpu_seconds": cpu_seconds, "cached_after": sum(cached_bytes(f) for f in files)}
+    return {"seconds": seconds, "cpu_seconds": cpu_seconds, "paused": pauses.paused, "dontneed_calls": len(spent),
+            "dontneed_seconds": sum(spent),
+            "cached_after": sum(cached_bytes(f) for f in files)}
 
 
 def snapshot_cost(files: list[str]) -> float:
@@ -126,13 +157,14 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--workdir", default="/var/tmp", help="a real file system (not tmpfs: its pages never drop)")
     p.add_argument("--json", help="write the figures here too")
+    p.add_argument("--states", default="cold,warm,others-warm", help="which states of the page cache, by name")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="pled-bench-pagecache-", dir=args.workdir))
     try:
         files = make(work, args.gib)
         total = sum(os.path.getsize(f) for f in files)
         ple = sum(hi - lo for f in files for lo, hi in ple_ranges(f))
-        variants, states = ["ranges", "whole-file", "random"], ["cold", "warm", "others-warm"]
+        variants, states = ["ranges", "whole-file", "random"], args.states.split(",")
         runs: dict[str, list[dict]] = {}
         snap: dict[str, list[float]] = {}
         for rep in range(args.repeats):
@@ -149,8 +181,8 @@ def main() -> int:
         print(f"checkpoint {total / MiB:.0f} MiB in {len(files)} files, PLE tensors {ple / MiB:.0f} MiB; "
               f"{args.repeats} repeats; kernel {os.uname().release}")
         print("| variant, page cache before | seconds, median (min-max) | x ranges | CPU seconds, median (min-max) "
-              "| x ranges | cached before -> after, MiB |")
-        print("|---|---|---|---|---|---|")
+              "| x ranges | paused for readahead, s | DONTNEED calls, s | cached before -> after, MiB |")
+        print("|---|---|---|---|---|---|---|---|")
         for state in states:
             base = {k: statistics.median(r[k] for r in runs[f"ranges {state}"]) for k in ("seconds", "cpu_seconds")}
             for variant in variants:
@@ -163,8 +195,14 @@ def main() -> int:
                                  f"{row[k]['median'] / base[k]:.2f}")
                 b = statistics.median(r["cached_before"] for r in rs) / MiB
                 a = statistics.median(r["cached_after"] for r in rs) / MiB
-                out["results"][f"{variant} {state}"] = row | {"cached_before": b * MiB, "cached_after": a * MiB}
-                print(f"| {variant}, {state} | {' | '.join(cells)} | {b:.0f} -> {a:.0f} |")
+                paused = statistics.median(r["paused"] for r in rs)
+                calls = statistics.median(r["dontneed_calls"] for r in rs)
+                dn = statistics.median(r["dontneed_seconds"] for r in rs)
+                out["results"][f"{variant} {state}"] = row | {"cached_before": b * MiB, "cached_after": a * MiB,
+                                                              "paused": paused, "dontneed_calls": calls,
+                                                              "dontneed_seconds": dn}
+                print(f"| {variant}, {state} | {' | '.join(cells)} | {paused:.2f} | {calls:.0f}, {dn:.3f} | "
+                      f"{b:.0f} -> {a:.0f} |")
         for state, secs in snap.items():
             out[f"snapshot_seconds {state}"] = statistics.median(secs)
             print(f"residency snapshot of every file, {state}: {statistics.median(secs) * 1000:.2f} ms (median)")

@@ -53,12 +53,12 @@ def _serve(args) -> int:
     return Daemon(config).run()
 
 
-def _call(args, method: str, command: str) -> tuple[dict | None, int]:
+def _call(args, method: str, command: str, **params) -> tuple[dict | None, int]:
     """One call to the daemon for a command: (reply, 0), or (None, exit status) with the error printed."""
     from pled import client
 
     try:
-        return client.call(method, socket=_socket_for(args), timeout=args.timeout), 0
+        return client.call(method, socket=_socket_for(args), timeout=args.timeout, **params), 0
     except client.ClientError as err:
         say(f"pled {command}: {err}", file=sys.stderr)
         return None, (EX_NOT_RUNNING if isinstance(err, client.DaemonUnavailable) else
@@ -209,7 +209,8 @@ def _verify(args) -> int:
     from pled.shared import protocol
     from pled.verify import verify
 
-    code = verify(_socket_for(args), args.table)
+    differ: list[str] = []
+    code = verify(_socket_for(args), args.table, failed=differ)
     if not args.repair or code == EX_NOT_RUNNING:
         return code
     # --repair: a table that differs (its files, or a writable table a writer changed) is staged anew as a clean
@@ -222,12 +223,15 @@ def _verify(args) -> int:
     tables = status.get("tables")
     listed: list = tables if isinstance(tables, list) else []
     modified = [t.get("table") for t in listed if isinstance(t, dict) and t.get("modified") is True]
+    # a writable table this verify found changed, which the scheduled verify may not have seen yet: staged anew too
+    writable = {t.get("table") for t in listed if isinstance(t, dict) and t.get("gpu_access") == "writable"}
+    restage = sorted(name for name in differ if name in writable)
     if code == 0 and not modified:
         say("pled verify --repair: nothing to repair")
         return 0
-    result, failed = _call(args, protocol.RELOAD, "verify --repair")
+    result, status_code = _call(args, protocol.RELOAD, "verify --repair", **({"restage": restage} if restage else {}))
     if result is None:
-        return failed
+        return status_code
     try:
         _show_reload(result)
     except UNREADABLE as err:
@@ -294,9 +298,11 @@ def parser() -> argparse.ArgumentParser:
                         "or pled's user); exit 0 once it is staged")
     s.set_defaults(func=_verify)
 
-    s = sub.add_parser("gpu-check", parents=[daemon], help="as the vLLM user on the GPU host: what each device "
-                       "supports, the route each table takes and why (docs/operations.md); exit 4 without a device")
-    s.add_argument("--json", action="store_true")
+    s = sub.add_parser("gpu-check", parents=[daemon],
+                       help="as the vLLM user on the GPU host: what each device supports, the route each table takes "
+                            "and why (operations.md, \"What a GPU must support\"); exit 4 without a device")
+    s.add_argument("--json", action="store_true", help="the probe, each table's route and why, as one JSON document "
+                                                       "(default: lines of text)")
     s.set_defaults(func=lambda args: __import__("pled.client.gpu.check", fromlist=["run"]).run(_socket_for(args),
                                                                                              args.json))
 

@@ -262,7 +262,7 @@ def make_engram_checkpoint(directory: str, config: dict | None = None, files: in
     return paths, c
 
 
-CHUNK_ROWS = 1 << 20
+CHUNK_ROWS = 1 << 18
 
 
 def _engram_data(a, seed: int):

@@ -2,6 +2,7 @@
 tests, benchmarks and a first try), apart from the commands that run or ask a pled."""
 from __future__ import annotations
 
+import os
 import sys
 
 from pled.shared.boundary import say
@@ -96,6 +97,28 @@ def make_sidecar(args) -> int:
     return 0
 
 
+MAX_PARTS = 65536  # shard tensors a table: vLLM's split_ngram_parts is 512 by default
+
+
+def _room_for(directory: str, nbytes: int, what: str) -> bool:
+    """Whether the file system that will hold ``directory`` has ``nbytes`` free; else one line that says so."""
+    from pled.shared.sizes import gib
+
+    at = os.path.abspath(directory)
+    while not os.path.exists(at) and at != os.path.dirname(at):
+        at = os.path.dirname(at)
+    try:
+        st = os.statvfs(at)
+    except OSError:
+        return True  # not known: the writes say it
+    free = st.f_bavail * st.f_frsize
+    if nbytes <= free:
+        return True
+    say(f"pled make-checkpoint: {what} is about {gib(nbytes)}, and {at} has {gib(free)} free; ask for fewer rows",
+        file=sys.stderr)
+    return False
+
+
 def make_checkpoint(args) -> int:
     from pled import generator
 
@@ -111,11 +134,14 @@ def make_checkpoint(args) -> int:
     width_ok = args.width >= step and args.width % step == 0
     bad = [f"{name} {value}" for name, value, ok in (("--rows", min(rows), min(rows) >= 1),
                                                      ("--width", args.width, width_ok),
-                                                     ("--parts", args.parts, args.parts >= 1),
+                                                     ("--parts", args.parts, 1 <= args.parts <= MAX_PARTS),
                                                      ("--files", args.files, args.files >= 1)) if not ok]
     if bad:
-        say(f"pled make-checkpoint: {bad[0]}: rows, parts and files are at least 1, and a width is at least 1 "
-            "(nvfp4: a multiple of 16)", file=sys.stderr)
+        say(f"pled make-checkpoint: {bad[0]}: rows, parts and files are at least 1 (parts at most {MAX_PARTS}), and "
+            "a width is at least 1 (nvfp4: a multiple of 16)", file=sys.stderr)
+        return EX_USAGE
+    # at most 2 bytes a value (bf16) and a 4-byte scale a row: refused before anything is drawn or written
+    if not _room_for(args.dir, sum(rows) * (2 * args.width + 4), f"--rows {args.rows} x --width {args.width}"):
         return EX_USAGE
     try:
         paths = generator.make_checkpoint(args.dir, args.dtype, rows=dict(enumerate(rows)), width=args.width,
@@ -136,8 +162,14 @@ def _make_engram_checkpoint(args) -> int:
         say(f"pled make-checkpoint: --engram-vocab {args.engram_vocab} or --files {args.files}: a head's vocabulary "
             "is at least 2 and files at least 1", file=sys.stderr)
         return EX_USAGE
-    paths, c = make_engram_checkpoint(args.dir, {**ENGRAM, "engram_vocab_size": args.engram_vocab},
-                                      files=args.files, seed=args.seed, index=not args.no_index)
+    from pled.generator import engram_config
+
+    config = {**ENGRAM, "engram_vocab_size": args.engram_vocab}
+    dim = config["engram_head_dim"]
+    rows = sum(engram_config(config)["engram_num_embeddings"])  # its heads' prime sizes: found quickly, not drawn
+    if not _room_for(args.dir, rows * (dim + dim // 32), f"--engram-vocab {args.engram_vocab}"):
+        return EX_USAGE
+    paths, c = make_engram_checkpoint(args.dir, config, files=args.files, seed=args.seed, index=not args.no_index)
     rows = c["engram_num_embeddings"]
     say(f"wrote {len(paths)} checkpoint file(s){'' if args.no_index else ' and model.safetensors.index.json'} and "
         f"config.json to {args.dir}: DeepSeek V4.1 Engram tables of layers {c['engram_layer_ids']} "

@@ -137,9 +137,10 @@ def _compare(fd: int, piece, buf: memoryview, prefix: str, out, behind: DropBehi
     return True
 
 
-def verify(socket: str, table: str | None = None, out=sys.stdout) -> int:
+def verify(socket: str, table: str | None = None, out=sys.stdout, failed: list[str] | None = None) -> int:
     """Every table (or ``table``), each to its end whatever another one gave: 0 all identical, 1 any difference or
-    a table that could not be verified (each named on stderr), 3 pled not running, 77 this user may not ask."""
+    a table that could not be verified (each named on stderr), 3 pled not running, 77 this user may not ask.
+    ``failed``: gets the names of the tables that differed or could not be verified."""
     try:
         names: list = [table]
         if not table:
@@ -153,12 +154,15 @@ def verify(socket: str, table: str | None = None, out=sys.stdout) -> int:
         ok = True
         for name in names:
             try:
-                ok = _verify_table(socket, name, out) and ok
+                same = _verify_table(socket, name, out)
             except (client.DaemonUnavailable, client.PermissionDenied):
                 raise
             except (client.ClientError, OSError) as err:  # this table: not ready, gone, a file it cannot read
                 say(_why(err), file=sys.stderr)
-                ok = False
+                same = False
+            ok = same and ok
+            if not same and failed is not None:
+                failed.append(name)
         return 0 if ok else 1
     except client.DaemonUnavailable as err:
         say(f"pled verify: {err}", file=sys.stderr)

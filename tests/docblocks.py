@@ -10,6 +10,7 @@ language and ignores the rest):
                                      bin (the `pled` command) first on PATH
     ```sh run ... stdout=json        and what it prints is JSON, one document a line
     ```sh run ... cwd=checkout       in the checkout instead (a block that reads it and writes nothing)
+    ```sh run ... needs=CMD,...      skipped, naming them, where those commands are not installed
     ```toml config                   a pled.toml, or part of one: read by pled's own config parser, must be accepted
     ```text output                   what a command or pled prints (a message, log lines): shown, not run
     ```text figure                   a diagram: shown, not run

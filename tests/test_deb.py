@@ -62,6 +62,9 @@ def debs():
             r = subprocess.run([str(ROOT / "tools" / "deb.sh"), str(work / v), *extra], capture_output=True,
                                text=True, timeout=1200)
             assert r.returncode == 0, f"tools/deb.sh {' '.join(extra)} exited {r.returncode}:\n{r.stdout[-6000:]}"
+            # every lintian warning fixed, overridden (third-party files) or explained in debian/lintian-warnings
+            assert "explained in debian/lintian-warnings or overridden)" in r.stdout, r.stdout
+            assert "not explained" not in r.stdout, r.stdout
             built[v] = Path(r.stdout.strip().splitlines()[-1])
         yield built
     finally:

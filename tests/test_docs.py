@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -57,18 +58,29 @@ def test_a_block_without_a_marker_is_found(tmp_path):
 
 # -- the blocks that run -------------------------------------------------------------------------------------------
 
-def _param(b: Block):
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+
+
+def _params(b: Block):
+    """Each run block with .venv's interpreter; a Python block also in vLLM's environment (.venv-vllm: pled's client
+    beside vLLM's own torch), where operations.md says to run it."""
     marks = [pytest.mark.daemon, pytest.mark.slow] if b.tables() else []  # a pled, and torch for python
-    return pytest.param(b, id=b.where, marks=marks)
+    yield pytest.param(b, sys.executable, id=b.where, marks=marks)
+    if b.lang == "python":
+        yield pytest.param(b, str(VLLM_PYTHON), id=f"{b.where} in vLLM's environment", marks=[*marks, pytest.mark.vllm])
 
 
-RUN = [_param(b) for b in BLOCKS if b.marker == "run"]
+RUN = [p for b in BLOCKS if b.marker == "run" for p in _params(b)]
 
 
-@pytest.mark.parametrize("block", RUN)
-def test_a_run_block_runs(block: Block, tmp_path):
+@pytest.mark.parametrize(("block", "python"), RUN)
+def test_a_run_block_runs(block: Block, python: str, tmp_path):
     assert block.lang in ("python", "sh", "bash", "console"), f"{block.where}: no way to run ```{block.lang}"
-    env = clean_env(PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    needs = [c for w in block.args.split() if w.startswith("needs=") for c in w[len("needs="):].split(",")]
+    missing = [c for c in needs if not shutil.which(c)]
+    if missing:
+        pytest.skip(f"{block.where} needs {', '.join(missing)}, not installed here")
+    env = clean_env(PATH=f"{Path(python).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     env.pop("PLED_SOCKET", None)
     env.pop("PLED_CONFIG", None)
     daemon = None
@@ -84,7 +96,7 @@ def test_a_run_block_runs(block: Block, tmp_path):
     if "cwd=checkout" in block.args.split():  # a block that reads the checkout (and writes nothing)
         work = ROOT
     if block.lang == "python":
-        cmd = [sys.executable, "-c", block.text]
+        cmd = [python, "-c", block.text]
     else:
         cmd = ["bash", "--noprofile", "--norc", "-e", "-o", "pipefail", "-c", block.text]
     r = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=120)
@@ -108,12 +120,11 @@ def test_a_config_block_is_a_config_pled_accepts(block: Block):
 
 # -- the commands and options the docs name ----------------------------------------------------------------------
 
-def test_every_pled_command_and_option_the_docs_name_exists():
+def wrong_commands(found: list[docblocks.Mention]) -> list[str]:
+    """Each mention whose command, option or option value pled's parser does not have."""
     subs = subparsers()
     top = options(pled_parser())
     wrong = []
-    found = docblocks.mentions()
-    assert len(found) > 50, found  # the scan finds the docs' commands
     for m in found:
         command, *rest = m.words
         if command not in subs:
@@ -131,6 +142,36 @@ def test_every_pled_command_and_option_the_docs_name_exists():
             value = word.split("=", 1)[1] if "=" in word else (rest[k + 1] if k + 1 < len(rest) else None)
             if action.choices and value and re.fullmatch(r"[a-z][\w.-]*", value) and value not in action.choices:
                 wrong.append(f"{m.where}: pled {command} {name} takes {sorted(action.choices)}, not {value}")
+    return wrong
+
+
+def test_every_pled_command_and_option_the_docs_name_exists():
+    found = docblocks.mentions()
+    assert len(found) > 50, found  # the scan finds the docs' commands
+    wrong = wrong_commands(found)
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_pled_command_the_units_and_recipes_run_exists():
+    """units/ (the catalog's advice too) and deploy/ (HEALTHCHECK, probes, init containers) run pled commands: each
+    is one pled's parser has, with options it has. An exec form (["pled", "status", ...]) is read as its words."""
+    found = []
+    for path in [*ROOT.glob("units/**/*"), *ROOT.glob("deploy/**/*"), *ROOT.glob("debian/*")]:
+        if not path.is_file() or path.suffix in (".md",):
+            continue
+        text = path.read_text(errors="replace")
+        text = re.sub(r'\[\s*"((?:[^"\]]*/)?pled)"((?:\s*,\s*"[^"]*")*)\s*\]',
+                      lambda m: " ".join([m[1], *re.findall(r'"([^"]*)"', m[2])]), text)
+        text = re.sub(r"^Exec\w+=[-+@!:]*", "", text, flags=re.M)  # a unit's ExecStart=... runs what follows
+        rel = str(path.relative_to(ROOT))
+        if path.suffix in (".service", ".conf", ".yaml", ".yml", ".sh") or "Containerfile" in path.name \
+                or path.name.endswith(("postinst", "prerm", "postrm", "rules")):  # what runs, not prose
+            found += docblocks.commands_in_block(rel, text)
+        for n, line in enumerate(text.splitlines(), 1):
+            found += docblocks.commands_in_prose(f"{rel}:{n}", line)
+    commands = {m.words[0] for m in found}
+    assert {"serve", "status", "reload"} <= commands, found  # the units', the Containerfile's, the probes' were read
+    wrong = wrong_commands(found)
     assert not wrong, "\n".join(wrong)
 
 
@@ -280,7 +321,10 @@ SECTION_REFERENCE = re.compile(r'operations\.md\\?"?,? \(?\\?"([^"\\]+)\\?"(?: a
 
 
 def headings(path: Path) -> list[str]:
-    return [m[1].strip().lower() for m in re.finditer(r"^#{1,6} (.*)$", path.read_text(), flags=re.M)]
+    text = path.read_text()
+    fenced = {b.line + k for b in docblocks.blocks_of(path, text) for k in range(b.text.count("\n") + 2)}
+    return [m[1].strip().lower() for n, line in enumerate(text.splitlines(), 1) if n not in fenced
+            for m in [re.match(r"#{1,6} (.*)$", line)] if m]
 
 
 def test_every_section_of_operations_md_that_pled_or_its_files_name_exists():
@@ -337,3 +381,15 @@ def test_every_pled_variable_the_docs_name_is_read_or_written_somewhere():
     assert "PLED_SOCKET" in named
     wrong = sorted(v for v in named if not re.search(rf"\b{v}\b", code))
     assert not wrong, f"named in the docs, used nowhere: {wrong}"
+
+
+def test_the_readmes_exit_table_has_a_row_for_every_status_pled_defines():
+    """Each EX_... = N in pled's code (pled/shared/errors.py, and a command's own, such as gpu-check's 4) is a row
+    of README.md's table of exit statuses, so that a status a command returns is one an operator can look up."""
+    defined = {int(n): name for p in ROOT.glob("pled/**/*.py")
+               for name, n in re.findall(r"^(EX_[A-Z_]+) = (\d+)\b", p.read_text(), flags=re.M)}
+    assert {0, 1, 78} <= set(defined), defined
+    text = (ROOT / "README.md").read_text()
+    rows = {int(n) for n in re.findall(r"^\| (\d+) \| ", text[text.index("Exit status:"):], flags=re.M)}
+    missing = {n: name for n, name in defined.items() if n not in rows}
+    assert not missing, f"README.md's exit statuses have no row for {missing}"

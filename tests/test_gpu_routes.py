@@ -235,3 +235,42 @@ def test_a_range_released_by_its_last_owner_leaves_the_table_and_registers_again
     finally:
         gc.collect()
         t.close()
+
+
+def test_a_writer_whose_writable_registration_fails_is_left_read_only(regions, fake):
+    """The writable route registered nothing (the device refused Mapped too): the writer's mapping is made read-only
+    all the same, and the refusal names the CUDA error."""
+    fake.attrs, fake.fail = BARE, {0x02: INVALID_VALUE}
+    t = table(regions, "writable", True, routes=("writable",))
+    try:
+        with pytest.raises(gpu.NoRoute, match=r"writable registration: cudaHostRegister\(Mapped\) of table t"):
+            view(t)
+        assert t.protected and mapping_perms(t) == "r--s" and not fake.ranges
+    finally:
+        gc.collect()
+        t.close()
+
+
+def test_the_probe_reads_the_attributes_versions_and_kernel_module(tmp_path):
+    from pled.client.gpu import probe
+
+    version = tmp_path / "version"
+    version.write_text("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  610.43.02  Release Build\n")
+    assert probe.open_kernel_module(str(version)) is True
+    version.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.183.01  Sun May 12 19:39:15 UTC 2024\n")
+    assert probe.open_kernel_module(str(version)) is False
+    assert probe.open_kernel_module(str(tmp_path / "absent")) is None
+
+    class OldDriver(FakeCuda):  # FAKED: a driver that does not know attribute 113
+        def attribute(self, device, attr):
+            if attr == 113:
+                raise gpu.RegistrationError("cudaDeviceGetAttribute(113) failed on device 0: invalid value (1)", 1)
+            return super().attribute(device, attr)
+
+    probe.forget()
+    p = probe.probe(OldDriver(HMM), 0)
+    assert (p.register_supported, p.read_only_supported, p.pageable, p.ats, p.hmm) == (True, False, True, False, True)
+    assert p.unknown == ("read_only_supported (113): cudaDeviceGetAttribute(113) failed on device 0: invalid value "
+                         "(1)",) and (p.driver, p.runtime) == (13000, 12080)
+    assert probe.versions_text(p) == "driver 13.0, runtime 12.8"
+    probe.forget()

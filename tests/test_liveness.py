@@ -296,8 +296,8 @@ ACCEPTED = {  # the largest accepted input of each kind -> (its builder, the wor
 # Not parsing but staging: a table of whole files whose header lists 120,000 tensors is a region whose manifest lists
 # them all (10 MB of JSON, encoded twice by the staging thread, a million objects unpickled from the plan): about two
 # seconds of CPU in pled's own threads, whose GIL the loop waits for. Measured with the collector kept off the plan
-# (regions/parsing.py): slowest Pings of 30-50 ms of pled's own at a load average of 15 on two cores, once 116 ms
-# (979 ms before). Held to the one-second bound of the attacks above, not yet to 100 ms.
+# (regions/parsing.py): slowest Pings of 30-50 ms of pled's own at a load average of 15 on two cores, 116 and 184 ms
+# at 17 and 25 (979 ms before). Held to the one-second bound of the attacks above, not yet to 100 ms.
 STAGED = {"a generic file's header of 120,000 tensors (8 MiB)": (_largest_generic_header, "added: u")}
 BUDGET = dict.fromkeys(ACCEPTED, RELOAD_PING_BUDGET) | dict.fromkeys(STAGED, PING_BUDGET)
 

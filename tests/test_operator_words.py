@@ -10,6 +10,10 @@ serve and the real `pled` command.
 - `allow_uids` admits nobody the socket's modes keep out (the docs said it "admits others too"): the uid needs the
   ACL entries operations.md's drop-in gives it (written here as setfacl writes them: the host has no setfacl), and
   then pled's own check decides.
+- A socket directory owned by another user is named with both uids: `pled serve` by root beside pled.service said
+  "/run/pled belongs to uid 997, who could replace pled's socket; use a directory owned by root or pled's user", where
+  uid 997 is user pled.
+- A rate below 0.1 GB/s is in MB/s: a checkpoint's small files were staged and verified "(0.00 GB/s)".
 - `pled status`, `verify` and `reload` where this user may not (the socket's modes, pled's check, a reload by a group
   member) exit 77, EX_NOPERM, not 1: status's 1 is "a table not ready", verify's 1 "a difference found".
 """
@@ -29,8 +33,8 @@ from harness import unused_gid, write_config
 from pled import client
 from pled.daemon.sources.safetensors_file import write
 from pled.generator import make_checkpoint, make_sidecar
+from pled.shared.sizes import rate
 
-pytestmark = pytest.mark.daemon
 ACL_UNDEFINED = 0xFFFFFFFF  # the id of an ACL entry that is not a named user's or group's
 
 
@@ -45,6 +49,7 @@ def add_user_acl(path: str, uid: int, perm: int) -> None:
                 struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in entries))
 
 
+@pytest.mark.daemon
 def test_the_staging_line_names_shards_files_and_checkpoint_files_and_status_notes_changed_sources(tmp_path, daemon):
     make_sidecar(str(tmp_path / "sidecar"), "ples_int4", shards=2, rows=256)
     make_checkpoint(str(tmp_path / "ckpt"), "nvfp4", {0: 500, 1: 700}, width=64, parts=4, files=3)
@@ -81,6 +86,7 @@ def attached(sock: str) -> str:
         return f"attached {t.manifest.rows} rows"
 
 
+@pytest.mark.daemon
 @pytest.mark.root
 def test_allow_uids_admits_a_uid_only_with_the_acl_entries_of_the_docs_drop_in(tmp_path, sidecar, open_dir):
     g = unused_gid(61000)
@@ -109,6 +115,7 @@ def cli(*argv: str) -> str:
     return str(pled.cli.main(list(argv)))
 
 
+@pytest.mark.daemon
 @pytest.mark.root
 def test_status_verify_and_reload_exit_77_where_this_user_may_not(tmp_path, open_dir):
     import xxhash  # noqa: F401  verify's; imported here, as the forked child may not read the stdlib's directory
@@ -130,5 +137,25 @@ def test_status_verify_and_reload_exit_77_where_this_user_may_not(tmp_path, open
         os.chmod(sock, 0o666)
         assert as_user(lambda: cli("status", "--socket", sock), []) == "77"
         assert as_user(lambda: cli("verify", "--socket", sock), []) == "77"
+        assert as_user(lambda: cli("verify", "t", "--socket", sock), []) == "77"  # a table named: no Status first
     finally:
         daemon.stop()
+
+
+def test_a_small_files_rate_is_in_mb_s_not_zero_gb_s():
+    assert rate(80424, 0.033) == "2.4 MB/s"  # the checkpoint file of the trial: "0.00 GB/s" before
+    assert (rate(6553824, 0.027), rate(10**9, 0.5)) == ("0.24 GB/s", "2.00 GB/s")  # from 0.1 GB/s on, as before
+
+
+@pytest.mark.daemon
+@pytest.mark.root
+def test_a_socket_directory_of_another_user_is_named_with_both_uids(tmp_path, sidecar, open_dir):
+    run = os.path.join(open_dir, "run")
+    os.mkdir(run, 0o750)
+    os.chown(run, 65534, 0)  # as /run/pled is pled.service's user's, for a pled started by hand as root
+    served = harness.start(tmp_path, {"t": sidecar(shards=1, rows=64)}, socket=os.path.join(run, "pled.sock"))
+    try:
+        assert (f"the socket's directory {run} belongs to uid 65534, neither root nor uid 0 that this pled runs as, so "
+                "uid 65534 could replace this pled's socket; use a directory owned by root or uid 0") in served.log()
+    finally:
+        served.stop()

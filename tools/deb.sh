@@ -52,6 +52,21 @@ changelog() {
   cat debian/changelog
 }
 if [ -n "$changelog_only" ]; then changelog; exit 0; fi
+# The "W: pled: ..." lines on stdin that no glob in debian/lintian-warnings (its lines not comments) matches.
+unexplained_warnings() {
+  local line text pattern known
+  while IFS= read -r line; do
+    text=${line#W: pled: }
+    known=
+    while IFS= read -r pattern; do
+      case $pattern in ''|'#'*) continue;; esac
+      pattern=${pattern//[/\\[}; pattern=${pattern//]/\\]}  # lintian's brackets are literal; * and ? are globs
+      # shellcheck disable=SC2053  # the pattern is a glob on purpose
+      if [[ $text == $pattern ]]; then known=1; break; fi
+    done < debian/lintian-warnings
+    [ -n "$known" ] || printf '%s\n' "$line"
+  done
+}
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/pled-deb.XXXXXX")
 trap 'rm -rf "$work"' EXIT INT TERM
@@ -72,7 +87,15 @@ if [ -n "${V:-}" ] && [ "${V:-}" != 0 ]; then
   lintian --fail-on error --no-tag-display-limit "$deb"
 else
   lintian --fail-on error --no-tag-display-limit "$deb" > "$work/lintian.log" 2>&1 || { cat "$work/lintian.log"; exit 1; }
-  echo "built $(basename "$deb"); lintian: no error, $(grep -c '^W:' "$work/lintian.log" || true) warning(s), \
-$(grep -c '^I:' "$work/lintian.log" || true) info(s) (V=1 shows them and the build's log)"
+  warnings=$(grep -c '^W:' "$work/lintian.log" || true)
+  unexplained=$(grep '^W:' "$work/lintian.log" | unexplained_warnings || true)
+  others=$(printf '%s' "$unexplained" | grep -c . || true)
+  echo "built $(basename "$deb"); lintian: no error, $warnings warning(s) ($((warnings - others)) explained in \
+debian/lintian-warnings or overridden), $(grep -c '^I:' "$work/lintian.log" || true) info(s) (V=1 shows them and the \
+build's log)"
+  if [ -n "$unexplained" ]; then
+    echo "lintian warnings not explained in debian/lintian-warnings (fix each, or explain it there):"
+    printf '%s\n' "$unexplained"
+  fi
 fi
 echo "$deb"

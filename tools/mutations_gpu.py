@@ -21,6 +21,8 @@ ORDER = R + "test_the_table_s_route_order_is_followed_and_kept_for_its_other_sli
 PART_WAY = R + "test_a_registration_failing_part_way_releases_every_chunk_registered_before"
 LAST_OWNER = R + "test_a_range_released_by_its_last_owner_leaves_the_table_and_registers_again_for_real"
 TWO = R + "test_two_slices_of_one_table_are_registered_each_and_a_covered_one_not_again"
+WRITER_FAILS = R + "test_a_writer_whose_writable_registration_fails_is_left_read_only"
+PROBE = R + "test_the_probe_reads_the_attributes_versions_and_kernel_module"
 NO_CUDA = R + "test_without_cuda_the_view_is_plain_and_said_once"
 CHECK = "tests/test_gpu_check.py"
 SEAM = "tests/test_vllm_033_ple.py::test_the_seam_takes_each_gpu_route_and_never_a_private_copy"
@@ -42,6 +44,10 @@ MUTATIONS = [
              "            if s <= start and start + length <= s + n:", "            if s <= start:",
              (TWO,)),
     # The probe and the route choice.
+    Mutation("gpu: every kernel module taken as the open one", "pled/client/gpu/probe.py",
+             '    return "open kernel module" in text.lower()', "    return True", (PROBE,)),
+    Mutation("gpu: an attribute the driver does not know taken as yes", "pled/client/gpu/probe.py",
+             "            values[key] = False\n", "            values[key] = True\n", (PROBE,)),
     Mutation("gpu: read-only registration tried where the device says it has none", "pled/client/gpu/routes.py",
              "        if not p.read_only_supported:\n", "        if False:\n", (CHOICE,)),
     Mutation("gpu: pageable access taken on HMM without the operator's opt-in", "pled/client/gpu/routes.py",
@@ -63,7 +69,7 @@ MUTATIONS = [
              "                                 flags=MAPPED)", "                                 flags=MAPPED | 0x08)",
              (CHOICE,)),
     Mutation("gpu: the writable route leaves the writer's mapping writable", "pled/client/gpu/routes.py",
-             "        table.protect()  # registered or not", "        pass  # registered or not", (CHOICE,)),
+             "        table.protect()  # registered or not", "        pass  # registered or not", (WRITER_FAILS,)),
     Mutation("gpu: the writable route registers only the slice, not the mapping", "pled/client/gpu/routes.py",
              "registry.register(rt, owner, table.buffer, table.address, len(table.buffer),",
              "registry.register(rt, owner, table.buffer, ptr, nbytes,", (CHOICE, ORDER)),

@@ -21,6 +21,9 @@ What it measures, each figure from the run or the reason it could not be had:
   pled's numpy reference (bench/device/lookup.py); rows/s through pled's view against upstream's private pinned
   copy (torch.empty(pin_memory=True) + copy_, the same rows) and, as the ceiling, the rows in the GPU's memory,
   CUDA events, median and spread of --repeats;
+- per GPU route (bench/device/routes.py: read-only registration, pageable access on ATS or HMM, writable
+  registration, each the device offers): the view's seconds and GiB/s, is_pinned, rows/s through the route's view
+  against upstream's pinned copy, the first pass against the warm ones, host memory counted once;
 - on the first of thp, 4k that stages: two processes registering the same table (meminfo's Shmem and each
   process's smaps and status, bench/device/child.py);
 - fp8 (a --fp8-mib checkpoint, on thp else 4k): the carried raw-rows kernel through pled's view equal to the rows'
@@ -120,6 +123,7 @@ def machine(cuda) -> dict:
 def measure(args: argparse.Namespace, run: Run) -> None:
     from bench.device import pages as device_pages
     from bench.device.cuda import Cuda
+    from bench.device.routes import routes
     from bench.device.sections import Context, fp8, page_kind
 
     cuda = Cuda()
@@ -132,6 +136,7 @@ def measure(args: argparse.Namespace, run: Run) -> None:
             if "error" not in run.result["checkpoints"]:
                 for kind in args.kinds:
                     run.section(run.result.setdefault("pages", {}), kind, page_kind, ctx, kind)
+                run.section(run.result, "routes", routes, ctx)  # each GPU route pled.client.gpu offers here
                 run.section(run.result, "fp8", fp8, ctx)
         finally:
             ctx.close()

@@ -30,6 +30,7 @@ Without pled configured, or left out by ``VLLM_PLUGINS``, everything calls vLLM'
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from pled.client import held_files
 from pled.client.held_files import PledUnavailable
@@ -74,7 +75,8 @@ def patch_model(module) -> None:
     """Point the model module's own ``can_share_engram_tables`` (imported by name) at pled's wrapper."""
     engram = __import__(ENGRAM, fromlist=["_"])
     wrapped = getattr(engram, SHARE, None)
-    if getattr(wrapped, "__pled__", False) and getattr(module, SHARE, None) is wrapped.__wrapped__:
+    if wrapped is not None and getattr(wrapped, "__pled__", False) and \
+            getattr(module, SHARE, None) is getattr(wrapped, "__wrapped__", None):
         setattr(module, SHARE, wrapped)
 
 
@@ -159,14 +161,15 @@ def _wrap_allocate(original):
 
 def _refuse_dummy(weight, table) -> None:
     try:
-        from vllm.config import get_current_vllm_config
+        import importlib
 
-        load_format = str(get_current_vllm_config().load_config.load_format)
+        config = importlib.import_module("vllm.config").get_current_vllm_config()
+        load_format = str(config.load_config.load_format)
     except Exception:  # noqa: BLE001 (no current config: vLLM's loader is not running)
         return
     if load_format == "dummy":
-        raise PledUnavailable(f"pled: load_format=dummy would write vLLM's dummy values into pled's sealed Engram table "
-                              f"{weight.prefix} (table {table.name}); load the checkpoint, or start this vLLM "
+        raise PledUnavailable("pled: load_format=dummy would write vLLM's dummy values into pled's sealed Engram "
+                              f"table {weight.prefix} (table {table.name}); load the checkpoint, or start this vLLM "
                               "without pled (unset PLED_SOCKET)")
 
 
@@ -205,7 +208,7 @@ def _compare(param, loaded_weight) -> None:
     import torch
 
     st = held_files.current()
-    table = st.holding(param.data_ptr()) if st is not None else None
+    table: Any = st.holding(param.data_ptr()) if st is not None else None
     part_rows = param.shape[0]
     if loaded_weight.dtype == torch.float8_e8m0fnu:
         loaded_weight = loaded_weight.view(torch.uint8)

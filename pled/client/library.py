@@ -67,6 +67,7 @@ def attach(table: str, socket: str | None = None, timeout: float = 10.0, populat
                 raise ProtocolError(f"pled at {conn.path} sent generation {generation!r:.40} for table {table!r}, "
                                     f"not a count")
             gpu_access, gpu_routes, writer = _gpu_side(params, conn.path, table, fd)
+            staged = _staged_manifest(params, conn.path, table) if gpu_access == "writable" else None
             if gpu_access == "writable":  # its writers may change it; nothing read below can shrink or vanish
                 region.check_sealed_memfd(fd, writable=True)
             else:
@@ -84,7 +85,7 @@ def attach(table: str, socket: str | None = None, timeout: float = 10.0, populat
     try:
         with parse_deadline(conn.deadline):  # bounds the manifest's parse and checks; pre-faulting looks at no clock
             t = Table(fd, generation, populate, attachment=conn, gpu_access=gpu_access, gpu_routes=gpu_routes,
-                      writer=writer)  # closes fd and conn if it fails
+                      writer=writer, manifest_sha256=staged)  # closes fd and conn if it fails
     except BadRegion as err:
         raise BadRegion(f"the region pled at {conn.path} sent for table {table!r} is refused: {err}") from err
     except OutOfTime as err:
@@ -103,6 +104,16 @@ def attach(table: str, socket: str | None = None, timeout: float = 10.0, populat
 
 _ACCESS = ("read-only", "writable")
 _ROUTES = ("read-only", "pageable", "writable")
+
+
+def _staged_manifest(params: dict, path: str, table: str) -> bytes:
+    """A writable table's ``manifest_sha256``: the manifest as pled staged it, which the region's header (in reach
+    of the table's writers) must record."""
+    digest = params.get("manifest_sha256")
+    if not isinstance(digest, str) or len(digest) != 64 or not all(c in "0123456789abcdef" for c in digest):
+        raise ProtocolError(f"pled at {path} sent manifest_sha256 {digest!r:.80} for writable table {table!r}, not "
+                            "the 64 hex digits of its staged manifest")
+    return bytes.fromhex(digest)
 
 
 def _gpu_side(params: dict, path: str, table: str, fd: int) -> tuple[str, tuple[str, ...], bool]:

@@ -54,7 +54,8 @@ class Table:
     _unviewable: dict[int, str | None] | None = None
 
     def __init__(self, fd: int, generation: int, populate: bool, attachment=None, *, gpu_access: str = "read-only",
-                 gpu_routes: tuple[str, ...] = ("read-only", "pageable"), writer: bool = False) -> None:
+                 gpu_routes: tuple[str, ...] = ("read-only", "pageable"), writer: bool = False,
+                 manifest_sha256: bytes | None = None) -> None:
         self._attachment = attachment
         self._fd = fd  # owned from here on: a failure below closes it with the rest
         self.generation = generation
@@ -67,7 +68,7 @@ class Table:
         self.protected = not writer
         try:
             try:
-                self.manifest = region.read_manifest(fd)
+                self.manifest = region.read_manifest(fd, manifest_sha256)  # a writable one: as pled staged it
                 self._map = (mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED,
                                        prot=mmap.PROT_READ | mmap.PROT_WRITE) if writer else region.map_readonly(fd))
             except (RegionError, OSError) as err:

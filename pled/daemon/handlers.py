@@ -23,7 +23,7 @@ from pled.daemon.serving.server import PENDING
 from pled.daemon.serving.session import Reply, Session
 from pled.daemon.systemd.fdstore import FdStore
 from pled.daemon.tables import State, TableState
-from pled.shared import protocol
+from pled.shared import protocol, region
 from pled.shared.boundary import clip
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,10 @@ class Handlers:
             self._lines.log(("reload", conn.peer.uid), log.warning, "refused io.pled.Reload from %s: only root and "
                             "pled's own user may reload", conn.peer.describe(), extra=journal.fields(peer=conn.peer))
             return Reply(protocol.error(protocol.PERMISSION_DENIED, uid=conn.peer.uid))
-        return self.reloader.begin(conn)
+        restage = params.get("restage", [])  # `pled verify --repair`: writable tables it found changed
+        if not isinstance(restage, list) or len(restage) > 1024 or not all(isinstance(n, str) for n in restage):
+            return Reply(protocol.error(protocol.INVALID_PARAMETER, parameter="restage"))
+        return self.reloader.begin(conn, frozenset(restage))
 
     def attach(self, conn: Session, params: dict):
         name = params.get("table")
@@ -117,10 +120,12 @@ class Handlers:
         writable = t.writable
         writer = writable and cfg is not None and conn.peer.uid in cfg.writer_uids
         routes = list(cfg.gpu_routes) if cfg is not None else ["read-only", "pageable"]
+        # A writable region's header is in reach of its writers: the client checks it against the one pled staged.
+        staged = {"manifest_sha256": region.staged_manifest_sha256(t.header)} if writable and t.header else {}
         return Reply(protocol.reply(table=t.name, generation=t.generation, fingerprint=t.manifest.fingerprint,
                                     region_bytes=t.manifest.region_bytes,
                                     gpu_access="writable" if writable else "read-only", gpu_routes=routes,
-                                    writer=writer),
+                                    writer=writer, **staged),
                      regions=(t.region,), writable=writer,
                      on_sent=lambda: self._attached(conn, t.name, t.generation, writer))
 

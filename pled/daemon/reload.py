@@ -94,8 +94,11 @@ class Reloader:
         self._serving = False  # the first staging is done: reloads may run
         self._again = False  # a SIGHUP came while a reload or the first staging was under way
 
-    def begin(self, caller: Session | None):
-        """Start a reload; returns PENDING (the caller is answered later), an error Reply, or None (SIGHUP)."""
+    def begin(self, caller: Session | None, restage: frozenset[str] = frozenset()):
+        """Start a reload; returns PENDING (the caller is answered later), an error Reply, or None (SIGHUP).
+        ``restage``: served tables to stage anew whatever their files say (`pled verify --repair` names the writable
+        tables whose bytes it found changed before the scheduled verify did); a caller that joins a reload under way
+        gets that one's result."""
         if self.current is not None or not self._serving:
             if caller is None:
                 self._again = True
@@ -111,6 +114,7 @@ class Reloader:
                            f"STATUS=reloading {source}")
         self.current = Reload(callers=[caller] if caller else [])
         served, served_pages = self.registry.identities(), self.registry.page_sizes()
+        served = {name: identity for name, identity in served.items() if name not in restage}
         writable = self.registry.writable()
         self.stager.run("planned", lambda: Planned(parsing.plan_reload(source, served, self.proc_root, served_pages,
                                                                        writable)),

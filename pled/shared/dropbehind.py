@@ -67,33 +67,38 @@ def _may_see(fd: int) -> bool:
     return os.geteuid() in (0, st.st_uid) or os.access(f"/proc/self/fd/{fd}", os.W_OK)
 
 
-def _cached_pages(fd: int, size: int) -> int | None:
-    """Pages of ``fd`` in the page cache by cachestat(2); None where it cannot say (old kernel, EPERM)."""
-    rng, st = _Range(0, 0), _Stat()
+def _cached_pages(fd: int, offset: int, length: int) -> int | None:
+    """Pages of ``fd``'s [offset, offset + length) in the page cache by cachestat(2); None where it cannot say."""
+    rng, st = _Range(offset, length), _Stat()
     if _libc.syscall(_NR_CACHESTAT, fd, ctypes.byref(rng), ctypes.byref(st), 0) == 0:
         return int(st.nr_cache)
     return None  # ENOSYS (before 6.5), EPERM (a file this process may not see, or a seccomp filter), ...
 
 
-def resident(fd: int, size: int) -> bytes | None:
+def resident(fd: int, size: int, lo: int = 0, hi: int | None = None) -> bytes | None:
     """One byte a page of ``fd``'s first ``size`` bytes, 1 where it is in the page cache now; None where this
-    process cannot know."""
+    process cannot know. Only pages of [lo, hi) are looked at: the others count as cached (never dropped)."""
     pages = -(-size // PAGE)
-    if pages == 0:
-        return b""
-    counted = _cached_pages(fd, size)
-    if counted == 0:
-        return bytes(pages)  # a cold file: the common case, and no mapping needed
-    if counted is not None and counted >= pages:
+    lo, hi = page_down(lo), min(page_up(size if hi is None else hi), pages * PAGE)
+    if hi <= lo:
         return b"\x01" * pages
-    return _mincore(fd, 0, size) if _may_see(fd) else None
+    head, tail, n = b"\x01" * (lo // PAGE), b"\x01" * (pages - hi // PAGE), (hi - lo) // PAGE
+    counted = _cached_pages(fd, lo, hi - lo)
+    if counted == 0:
+        return head + bytes(n) + tail  # a cold file: the common case, and no mapping needed
+    if counted is not None and counted >= n:
+        return b"\x01" * pages
+    if not _may_see(fd):
+        return None
+    vec = _mincore(fd, lo, min(hi, size) - lo)  # a mapping may not run past the file's end
+    return None if vec is None else head + vec + tail
 
 
 def _mincore(fd: int, offset: int, length: int) -> bytes | None:
     """mincore over a mapping of [offset, offset + length) (offset page-aligned); None where it cannot be had."""
     try:  # never written: mincore still sees the file's pages
         m = mmap.mmap(fd, length, access=mmap.ACCESS_COPY, offset=offset)
-    except OSError:  # a file system that cannot map it: not known
+    except (OSError, ValueError):  # a file system that cannot map it, a file cut short since: not known
         return None
     try:
         vec = (ctypes.c_ubyte * -(-length // PAGE))()
@@ -127,8 +132,11 @@ class DropBehind:
         self._warned = False
         size = os.fstat(fd).st_size
         self.size = size
+        self._bound = 0 if everything else _readahead_bound(fd)
         # Before the first read of the file: later, readahead for one range would pass for the next one's cache.
-        self.before = None if everything else resident(fd, size)
+        # Only the pages pled may drop are looked at: from the first range to the last one's readahead tail.
+        span = (self.runs[0][0], self.runs[-1][1] + self._bound) if self.runs else (0, 0)
+        self.before = None if everything else resident(fd, size, *span)
         if self.before is None and not everything:
             log.info("pled cannot see which pages of %r were cached (it neither owns nor may write it): it drops "
                      "the pages of the ranges it read, cached or not, and leaves the rest of the file's", path)
@@ -157,14 +165,15 @@ class DropBehind:
                 self._to[i] = page_down(end)
         if self.before is None:
             return  # what lies past a range may be another reader's: left as found
-        bound = _readahead_bound(self.fd)
         tails = [(page_up(end), min(page_down(self.runs[i + 1][0] if i + 1 < len(self.runs) else self.size),
-                                    page_up(end) + bound))
+                                    page_up(end) + self._bound))
                  for i, (_, end) in enumerate(self.runs) if self._touched[i]]
         for _ in range(SETTLE_TRIES):  # a page still being read in cannot be dropped: wait for it, a little
             for lo, hi in tails:
                 self._drop(lo, hi)
-            tails = [(lo, hi) for lo, hi in tails if self._still_in(lo, hi)]
+            # a folio holding a kept page at a range's edge (one shared with a neighbour) never goes: not waited for
+            tails = [(lo, hi) for lo, hi in tails
+                     if self._still_in(-(-lo // PMD_SIZE) * PMD_SIZE, hi // PMD_SIZE * PMD_SIZE)]
             if not tails:
                 return
             time.sleep(SETTLE_PAUSE)
@@ -175,7 +184,8 @@ class DropBehind:
             return False
         now = _mincore(self.fd, lo, hi - lo)
         was = self.before[lo // PAGE: -(-hi // PAGE)]
-        return now is not None and any(n and not w for n, w in zip(now, was, strict=False))
+        # one bit a page (0 or 1 a byte): cached now and not before, in one operation over the span
+        return now is not None and int.from_bytes(now, "little") & ~int.from_bytes(was, "little") != 0
 
     def _drop(self, lo: int, hi: int) -> None:
         """Drop pages [lo, hi) (page-aligned) that were not cached before."""

@@ -24,11 +24,10 @@ import os
 import struct
 from dataclasses import dataclass, fields, replace
 from functools import cached_property
-from operator import attrgetter
 
-from pled.shared import arrays as arrays_form, layouts
+from pled.shared import arrays as arrays_form, region_geometry
 from pled.shared.arrays import ArrayEntry
-from pled.shared.boundary import clip, in_time, load_json
+from pled.shared.boundary import load_json
 from pled.shared.digests import PLACEHOLDER as DIGEST_PLACEHOLDER
 from pled.shared.errors import RegionError
 from pled.shared.hugepages import PMD_SIZE
@@ -43,7 +42,7 @@ from pled.shared.memfd import (
     seals,
 )
 from pled.shared.records import fields_of
-from pled.shared.tensors import DTYPE_BITS, MAX_DIMS, nbits, shape_problem
+from pled.shared.tensors import DTYPE_BITS, MAX_DIMS
 
 MAGIC = b"PLEDRGN\0"
 FORMAT_VERSION = 1
@@ -192,95 +191,19 @@ class Manifest:
         return manifest
 
 
-_FIELD_NAMES: dict[type, tuple[str, attrgetter]] = {}
-
-
 def _fields(record) -> dict:
-    """A manifest record's fields, for json.dumps (dataclasses.asdict deep-copies every value: 10x slower; and
-    dataclasses.fields() a record at a time was half of encoding a manifest of 120,000 tensors)."""
-    kind = type(record)
-    known = _FIELD_NAMES.get(kind)
-    if known is None:
-        names = tuple(f.name for f in fields(record))
-        known = _FIELD_NAMES[kind] = (names, attrgetter(*names))
-    names, get = known
-    values = get(record)
-    return dict(zip(names, values if len(names) > 1 else (values,), strict=True))
+    """A manifest record's fields, for json.dumps (dataclasses.asdict deep-copies every value: 10x slower)."""
+    return {f.name: getattr(record, f.name) for f in fields(record)}
 
 
 def _check_geometry(m: Manifest) -> None:
-    """Every shard and tensor lies inside the region, in order and without overlap; every tensor's dtype is known
-    and its size is its shape's (the shape checked before any product); a PLE table's shards hold its layout's
-    tensors with the rows and width it says. The arrays form: pled.shared.arrays.check."""
-    if m.format != FORMAT_VERSION:
-        raise ValueError(f"is of format {m.format}; this pled reads format {FORMAT_VERSION}")
-    if min(m.rows, m.row_width) < 0 or not _PREFIX.size <= m.data_offset <= m.region_bytes:
-        raise ValueError(f"gives rows {m.rows}, width {m.row_width}, data at {m.data_offset} of {m.region_bytes} bytes")
-    seen: dict[int, dict[str, TensorEntry]] = {i: {} for i in range(len(m.shards))}
-    for t in m.tensors:
-        in_time(1024)  # within a caller's deadline (boundary.deadline: attach()'s timeout)
-        if t.shard not in seen:
-            raise ValueError(f"puts tensor {clip(t.name, 80)!r} in shard {t.shard}; there are {len(m.shards)} shards")
-        if t.name in seen[t.shard]:
-            raise ValueError(f"lists tensor {clip(t.name, 80)!r} of shard {t.shard} twice")
-        seen[t.shard][t.name] = t
-        if t.dtype not in DTYPE_BITS:
-            raise ValueError(f"gives tensor {clip(t.name, 80)!r} an unknown dtype {clip(t.dtype, 40)!r} "
-                             f"(known: {', '.join(DTYPE_BITS)})")
-        problem = shape_problem(t.shape)
-        if problem:
-            raise ValueError(f"gives tensor {clip(t.name, 80)!r} a shape that {problem}")
-        if nbits(t.dtype, t.shape) != 8 * t.nbytes:
-            raise ValueError(f"gives tensor {clip(t.name, 80)!r} {t.nbytes} bytes ({8 * t.nbytes} bits), but "
-                             f"{t.dtype}{list(t.shape)} is {nbits(t.dtype, t.shape)} bits")
-    if m.arrays:
-        arrays_form.check(m)
-        return
-    end = m.data_offset
-    for i, s in enumerate(m.shards):
-        if s.index != i or s.rows < 0 or s.size < 0 or s.offset < end or s.offset + s.size > m.region_bytes:
-            raise ValueError(f"places shard {s.index} ({s.size} bytes, {s.rows} rows) at {s.offset}, outside bytes "
-                             f"{end}..{m.region_bytes} of the region (after the header and the shards before it)")
-        end = s.offset + s.size
-    for t in m.tensors:
-        in_time(1024)
-        s = m.shards[t.shard]
-        if t.offset < s.offset or t.offset + t.nbytes > s.offset + s.size:
-            raise ValueError(f"places tensor {clip(t.name, 80)!r} at bytes {t.offset}..{t.offset + t.nbytes}, outside "
-                             f"its shard {t.shard} (bytes {s.offset}..{s.offset + s.size} of {m.region_bytes})")
-    _refuse_overlapping_tensors(m.tensors)
-    layout = layouts.LAYOUTS.get(m.layout)
-    if layout is None:  # a generic table (or a layout this pled does not know): its tensors are all there is
-        return
-    for i, tensors in seen.items():
-        if set(tensors) != layout.names:
-            raise ValueError(f"gives shard {i} tensors {sorted(map(clip, tensors))}; "
-                             f"{layout.name} has {sorted(layout.names)}")
-        rows, width = layouts.rows_and_width(layout, {n: t.shape for n, t in tensors.items()},
-                                             {n: t.dtype for n, t in tensors.items()})
-        if (rows, width) != (m.shards[i].rows, m.row_width):
-            raise ValueError(f"says shard {i} has {m.shards[i].rows} rows of width {m.row_width}; its tensors have "
-                             f"{rows} of width {width}")
-    if sum(s.rows for s in m.shards) != m.rows:
-        raise ValueError(f"says {m.rows} rows; its shards hold {sum(s.rows for s in m.shards)}")
+    region_geometry.check_geometry(m, FORMAT_VERSION, _PREFIX.size)
 
 
 def check(manifest: Manifest) -> None:
     """The checks every client makes of a region's manifest (the geometry of ``Manifest.from_json``), for the daemon
     to make of its own plan: ValueError says what a client would refuse."""
     _check_geometry(manifest)
-
-
-def _refuse_overlapping_tensors(tensors: tuple[TensorEntry, ...]) -> None:
-    """No two tensors of the files form share a byte (each lies in its shard, so shards apart, only a shard's own
-    can): sorted by offset, each begins at or after the end of every one before it. O(n log n); an empty tensor
-    holds no byte, and may lie anywhere in its shard."""
-    placed = sorted((t.offset, t.offset + t.nbytes, i) for i, t in enumerate(tensors) if t.nbytes)
-    for (_, end, i), (begin, _, j) in zip(placed, placed[1:], strict=False):
-        if begin < end:
-            a, b = tensors[i], tensors[j]
-            raise ValueError(f"places tensor {clip(b.name, 80)!r} at bytes {b.offset}..{b.offset + b.nbytes}, over "
-                             f"tensor {clip(a.name, 80)!r} at {a.offset}..{a.offset + a.nbytes} (shard {a.shard})")
 
 
 def plan(table: str, source) -> Manifest:
@@ -326,9 +249,16 @@ def encode_header(manifest: Manifest) -> bytes:
 _parsed: dict[bytes, Manifest] = {}  # sha256 of a manifest -> the manifest: parsing is the slow part of attaching
 
 
-def read_manifest(fd: int) -> Manifest:
+def staged_manifest_sha256(header: bytes) -> str:
+    """The manifest's sha256 (hex) that a region's header, as ``encode_header`` made it, records."""
+    return _PREFIX.unpack_from(header)[5].hex()
+
+
+def read_manifest(fd: int, expect_sha256: bytes | None = None) -> Manifest:
     """The manifest of the region behind ``fd``, checked against the fd's real size, parsed within bounds and
-    checked (``Manifest.from_json``): RegionError says what is wrong. Parsed once a process per manifest."""
+    checked (``Manifest.from_json``): RegionError says what is wrong. Parsed once a process per manifest.
+    ``expect_sha256``: the manifest's sha256 as pled staged it (a writable table's Attach reply says it: its writers
+    can write the header too); a header that records another is refused before anything of it is parsed."""
     size = os.fstat(fd).st_size
     prefix = os.pread(fd, _PREFIX.size, 0)
     if len(prefix) < _PREFIX.size:
@@ -341,6 +271,10 @@ def read_manifest(fd: int) -> Manifest:
     if _PREFIX.size + length > data_offset or data_offset > size or length > MAX_MANIFEST:
         raise RegionError(f"fd {fd}: region header claims {length} bytes of manifest and data at {data_offset} in a "
                           f"{size}-byte region (a manifest may have at most {MAX_MANIFEST} bytes)")
+    if expect_sha256 is not None and digest != expect_sha256:
+        raise RegionError(f"fd {fd}: the region's header is not the one pled staged: a writer of this writable table "
+                          "changed it (its manifest, with every path and place, is not taken); `pled verify --repair` "
+                          "stages a clean generation")
     raw = os.pread(fd, length, _PREFIX.size)
     if hashlib.sha256(raw).digest() != digest:
         raise RegionError(f"fd {fd}: region manifest does not match its checksum")

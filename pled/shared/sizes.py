@@ -43,7 +43,9 @@ def gib(n: int | float) -> str:
 
 
 def rate(nbytes: int, seconds: float) -> str:
-    """Throughput in GB/s (decimal, as disks are rated)."""
+    """Throughput in GB/s (decimal, as disks are rated); below 0.1 GB/s in MB/s, so a small file's figure is not
+    "0.00 GB/s"."""
     if seconds <= 0:
         return "inf GB/s"
-    return f"{nbytes / seconds / 1e9:.2f} GB/s"
+    per_second = nbytes / seconds
+    return f"{per_second / 1e9:.2f} GB/s" if per_second >= 1e8 else f"{per_second / 1e6:.1f} MB/s"

@@ -31,11 +31,6 @@ from ple_rank import FakeCuda, mapping_of, rss_anon
 
 DEV_SHM = "/dev/shm"
 
-if not hasattr(FakeCuda, "attribute"):  # TEMP until main brings pled.client.gpu's fake
-    FakeCuda.attribute = lambda self, device, attr: {99: 1, 113: 1, 91: 1}.get(attr, 0)
-    FakeCuda.versions = lambda self: (13000, 13000)
-    FakeCuda.device_alias = lambda self, tensor: tensor
-
 
 def install_fakes(fake):
     import torch
@@ -81,17 +76,27 @@ def shm_files() -> list[str]:
     return sorted(n for n in os.listdir(DEV_SHM) if n.startswith("vllm_engram_"))
 
 
-def anon_maps(at_least: int) -> list[str]:
-    """Anonymous or /dev/shm mappings of at least ``at_least`` bytes in this process (a private or shared copy)."""
-    out = []
-    with open("/proc/self/maps") as f:
+def anon_maps() -> dict[tuple[int, int, str], int]:
+    """This process's anonymous and /dev/shm mappings: (start, size, name) -> resident bytes (smaps' Rss)."""
+    out: dict = {}
+    key = None
+    with open("/proc/self/smaps") as f:
         for line in f:
-            parts = line.split(maxsplit=5)
-            lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            name = parts[5].strip() if len(parts) > 5 else ""
-            if hi - lo >= at_least and (not name or name.startswith(("/dev/shm", "[heap]"))):
-                out.append(f"{hi - lo} {name or 'anonymous'}")
+            first = line.split(maxsplit=5)
+            if "-" in first[0] and not first[0].endswith(":"):
+                lo, hi = (int(x, 16) for x in first[0].split("-"))
+                name = first[5].strip() if len(first) > 5 else ""
+                key = (lo, hi - lo, name or "anonymous") if not name or name.startswith("/dev/shm") else None
+            elif key is not None and first[0] == "Rss:":
+                out[key] = int(first[1]) * 1024
     return out
+
+
+def new_maps(before: dict, at_least: int) -> list[str]:
+    """Mappings made since ``before`` holding at least ``at_least`` resident bytes (a private or /dev/shm copy of a
+    slice; glibc's arenas reserve 64 MiB mappings that hold next to nothing, so their size is no measure)."""
+    return [f"{rss} of {size} {name}" for (lo, size, name), rss in anon_maps().items()
+            if (lo, size, name) not in before and rss >= at_least]
 
 
 def digest(t) -> str:
@@ -173,8 +178,17 @@ def run_case(case: dict, spec: dict, fake, copies) -> dict:
     files = sorted(os.path.join(checkpoint, f) for f in os.listdir(checkpoint) if f.endswith(".safetensors"))
     share = case.get("share", True)
     out: dict = {}
+    if os.environ.get("PLED_SOCKET") and case.get("warm", True):  # pled's tables attached (mapped, pre-faulted)
+        from pled.client import held_files
+
+        start = time.perf_counter()
+        try:
+            held_files.state()
+        except Exception:  # noqa: BLE001 (the case itself says why)
+            pass
+        out["attach_seconds"] = time.perf_counter() - start
     gc.collect()
-    before, calls, copied, shm_before = rss_anon(), len(fake.calls), len(copies), shm_files()
+    before, calls, copied, shm_before, maps = rss_anon(), len(fake.calls), len(copies), shm_files(), anon_maps()
     start = time.perf_counter()
     try:
         shell, out["loaded"], out["shared"] = build(config, share, files)
@@ -187,8 +201,8 @@ def run_case(case: dict, spec: dict, fake, copies) -> dict:
     out["uva_private_copies"] = copies[copied:]
     out["shm_files_made"] = [n for n in shm_files() if n not in shm_before]
     out.update(describe(shell, fake, calls))
-    sizes = [p["nbytes"] for rec in out["layers"].values() for p in rec["params"].values()]
-    out["big_anon_maps"] = anon_maps(min(sizes))
+    slice_bytes = min(rec["params"]["weight"]["nbytes"] for rec in out["layers"].values())
+    out["big_new_maps"] = new_maps(maps, slice_bytes)
     if case.get("uva", True):
         for layer in shell.layers.values():
             e = layer.engram.embed_tokens
@@ -199,11 +213,16 @@ def run_case(case: dict, spec: dict, fake, copies) -> dict:
     if case.get("upstream"):
         socket = os.environ.pop("PLED_SOCKET", None)
         try:
+            gc.collect()
+            before, maps = rss_anon(), anon_maps()
             up, _, out["upstream_shared"] = build(config, share, files)
+            out["upstream_rss_anon_growth"] = rss_anon() - before
+            out["upstream_big_new_maps"] = new_maps(maps, slice_bytes)
             for layer_id, layer in up.layers.items():
                 e = layer.engram.embed_tokens
                 mine = shell.layers[layer_id].engram.embed_tokens
                 out["layers"][layer_id]["upstream_shared_memory"] = e._shared_memory is not None
+                out["layers"][layer_id]["upstream_mapping"] = mapping_of(e.weight.data_ptr())
                 out["layers"][layer_id]["equal_to_upstream"] = {
                     n: bool(torch.equal(getattr(mine, n).detach().view(torch.uint8),
                                         getattr(e, n).detach().view(torch.uint8)))
@@ -222,14 +241,20 @@ def setup(spec: dict):
     dp, tp = spec["dp"], spec["tp"]
     pc = ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp, data_parallel_rank=spec["rank"] // tp,
                         data_parallel_master_ip="127.0.0.1", data_parallel_master_port=spec["dp_port"])
+    pc.data_parallel_master_port = spec["dp_port"]  # as a DP engine hands every rank the same port
+    pc._data_parallel_master_port_list = []  # (its own list is of free ports each process drew for itself)
     cfg = VllmConfig(parallel_config=pc)
     cfg.engram_config = EngramConfig(cpu_offload=True)
-    cfg.model_config = types.SimpleNamespace(architecture="DeepseekV41ForCausalLM", is_moe=False)  # for the Engram DP group
+    # what initialize_model_parallel asks of the model: the architecture builds the Engram DP group
+    cfg.model_config = types.SimpleNamespace(architecture="DeepseekV41ForCausalLM", is_moe=False)
     return cfg
 
 
 def main() -> int:
+    import faulthandler
+
     spec = json.loads(sys.argv[1])
+    faulthandler.dump_traceback_later(spec.get("hang_seconds", 900), exit=True)  # a hung gloo world says where
     sys.path.insert(0, spec["vllm_path"])
     os.environ["VLLM_TARGET_DEVICE"] = "cpu"
     if spec.get("load_plugins", True):

@@ -4,20 +4,25 @@ import json
 import subprocess
 from pathlib import Path
 
-from vllm_env.ple_world import VLLM_033, VLLM_PYTHON, free_port, vllm_env
+try:
+    from vllm_env.ple_world import VLLM_033, VLLM_PYTHON, free_port, vllm_env
+except ImportError:  # imported as tests.vllm_env.engram_world (the benchmark)
+    from tests.vllm_env.ple_world import VLLM_033, VLLM_PYTHON, free_port, vllm_env
 
 RANK = Path(__file__).parent / "engram_rank.py"
 
 
 def run_world(dp: int, tp: int, checkpoint: str, cases: list[dict], env: dict | None = None,
-              load_plugins: bool = True, prefix: list[str] | None = None, timeout: float = 1200) -> list[dict]:
+              load_plugins: bool = True, prefix: list[str] | None = None, timeout: float = 1200,
+              hang_seconds: float = 900) -> list[dict]:
     """One process per rank (DP x TP), all at once (gloo needs every rank), each started through ``prefix`` (a
     command that runs its arguments: a mount namespace, a cgroup) where given; each rank's report."""
     init, dp_port = f"tcp://127.0.0.1:{free_port()}", free_port()
     procs = []
     for rank in range(dp * tp):
         spec = {"rank": rank, "dp": dp, "tp": tp, "init": init, "dp_port": dp_port, "vllm_path": str(VLLM_033),
-                "checkpoint": checkpoint, "cases": cases, "load_plugins": load_plugins}
+                "checkpoint": checkpoint, "cases": cases, "load_plugins": load_plugins,
+                "hang_seconds": hang_seconds}
         cmd = [*(prefix or []), str(VLLM_PYTHON), str(RANK), json.dumps(spec)]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                       env=vllm_env(**(env or {})), cwd="/"))

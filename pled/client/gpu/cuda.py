@@ -123,6 +123,12 @@ class Runtime:
 _lock = threading.Lock()
 _runtime: object | None = None
 _probed = False  # whether this process looked for CUDA already (None found: _runtime stays None)
+_on_use: list = []  # what use() calls: the probe's and the routes' forget (they register it; this imports neither)
+
+
+def on_use(forget) -> None:
+    """Have ``use()`` call ``forget`` (a cache of what the runtime said) whenever it installs a runtime."""
+    _on_use.append(forget)
 
 
 class use(contextlib.AbstractContextManager):  # noqa: N801 (a function to its callers, a context manager too)
@@ -135,10 +141,8 @@ class use(contextlib.AbstractContextManager):  # noqa: N801 (a function to its c
         with _lock:
             self.previous, _runtime = _runtime, runtime
             _probed = runtime is not None
-        from pled.client.gpu import probe, routes
-
-        probe.forget()  # another runtime: its devices are asked anew, and the routes chosen anew
-        routes.forget()
+        for forget in list(_on_use):  # another runtime: its devices are asked anew, and the routes chosen anew
+            forget()
 
     def __exit__(self, *exc) -> None:
         use(self.previous)

@@ -97,3 +97,6 @@ def forget() -> None:
     """Ask again next time (a runtime installed anew)."""
     with _lock:
         _cache.clear()
+
+
+cuda.on_use(forget)

@@ -21,7 +21,7 @@ import threading
 import weakref
 from dataclasses import dataclass
 
-from pled.client.gpu import registry
+from pled.client.gpu import cuda, registry
 from pled.client.gpu.cuda import MAPPED, RegistrationError
 from pled.client.gpu.probe import Probe
 
@@ -48,6 +48,9 @@ _chosen: dict[tuple[int, int], tuple[weakref.ref, str]] = {}  # (id(table), devi
 def forget() -> None:
     with _lock:
         _chosen.clear()
+
+
+cuda.on_use(forget)
 
 
 def hmm_opted_in() -> bool:
@@ -113,7 +116,7 @@ def refusal(p: Probe, table, what: str, skipped: list[str]) -> str:
     options = []
     if getattr(table, "gpu_access", "read-only") != "writable":
         options.append(f"gpu_access = \"writable\" with writers = [...] for table {table.name} in pled's config "
-                       "(/usr/share/doc/pled/operations.md, \"The writable route\": its trade)")
+                       "(/usr/share/doc/pled/operations.md, \"What a GPU must support\": the writable route's trade)")
     if p.hmm and not hmm_opted_in():
         options.append(f"{HMM_OPT_IN}=1 (pageable access over HMM)")
     options.append("PLED_FALLBACK=disk (vLLM's private pinned copy per rank)")

@@ -26,11 +26,12 @@ from pled.daemon.regions import regionfd
 from pled.daemon.regions.pacer import CHUNK, Pacer
 from pled.daemon.sources.checkpoint import Source
 from pled.daemon.sources.sidecar import Shard
-from pled.shared import hugepages, layouts, region
+from pled.shared import hugepages, region
 from pled.shared.boundary import BoundaryError, open_regular
 from pled.shared.digests import OWN, new_hasher
 from pled.shared.dropbehind import DropBehind
 from pled.shared.errors import EX_OK, PledError, SidecarError, StagingError
+from pled.shared.layouts import LAYOUTS
 from pled.shared.pagecache import mapping_address
 from pled.shared.region import Manifest, Piece, Region
 from pled.shared.sizes import gib, rate
@@ -330,7 +331,7 @@ def _write(fd: int, view: memoryview | None, offset: int, data: bytes) -> None:
 def describe_ready(r: Region) -> str:
     """The log line for a staged table: size, files (shards, or a glob's or checkpoint's), time, rate, huge pages."""
     m, s, n = r.manifest, r.stats, len(r.manifest.shards)
-    files = ("checkpoint file" if m.form == "arrays" else "shard" if m.layout in layouts.LAYOUTS else "file")
+    files = ("checkpoint file" if m.form == "arrays" else "shard" if m.layout in LAYOUTS else "file")
     share = s.huge_bytes / m.region_bytes if m.region_bytes else 0.0
     pages = s.fill.policy if s.fill.method == HUGETLB else f"shmem_enabled: {s.fill.policy}"
     line = (

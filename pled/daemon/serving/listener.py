@@ -54,8 +54,9 @@ def check_directory(parent: str) -> None:
             "write (chmod o-w, or the unit's RuntimeDirectory=pled, /run/pled, 0750)")
     me = os.geteuid()
     if st.st_uid not in (0, me):
-        log.warning("the socket's directory %s belongs to uid %d, who could replace pled's socket; use a directory "
-                    "owned by root or pled's user", parent, st.st_uid)
+        log.warning("the socket's directory %s belongs to uid %d, neither root nor uid %d that this pled runs as, "
+                    "so uid %d could replace this pled's socket; use a directory owned by root or uid %d",
+                    parent, st.st_uid, me, st.st_uid, me)
     if mode & stat.S_IWGRP and st.st_gid != os.getegid() and st.st_gid not in os.getgroups():
         log.warning("the socket's directory %s is writable by group %d, which pled is not in; its members could "
                     "replace pled's socket: chmod g-w %s", parent, st.st_gid, parent)
