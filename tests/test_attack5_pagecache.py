@@ -1,17 +1,16 @@
 """The fifth attack on the page-cache handling of a checkpoint table (pled/shared/dropbehind.py): pages another
 reader brings in while pled stages are not pled's to drop.
 
-Finding (routed to the page-cache work, xfail until fixed): DropBehind takes its one residency snapshot of a file
-when staging opens it, and at its close drops the "readahead tail" after each run of PLE tensors (up to 64 MiB, or
-4 x read_ahead_kb) wherever that snapshot said cold. A page that another process read between that snapshot and the
-close (vLLM starting beside a reload, a backup, `sha256sum`) is dropped too, though pled did not bring it in: for a
+Finding (fixed): DropBehind took its one residency snapshot of a file when staging opened it, and at its close
+dropped the "readahead tail" after each run of PLE tensors (up to 64 MiB, or 4 x read_ahead_kb) wherever that
+snapshot said cold. Now pled reads a checkpoint's file with POSIX_FADV_RANDOM on its own fd and its own read-ahead
+never passes a range: there is no tail to drop. A page that another process read between that snapshot and the
+close (vLLM starting beside a reload, a backup, `sha256sum`) was dropped too, though pled did not bring it in: for a
 checkpoint whose layers each hold a run of PLE shards, a window after every layer's run. Real page cache figures
 (mincore over a mapping, read by the helper of tests/test_page_cache_ranges.py), real files on ext4; the other
 reader reads with its own fd, from pled's staging thread's own check between chunks (a point inside the staging,
 where a concurrent reader's read could fall), so that the test needs no timing."""
 import os
-
-import pytest
 
 from pled.daemon.regions import staging
 from pled.daemon.sources.checkpoint import open_checkpoint
@@ -31,8 +30,6 @@ def runs(path) -> list[tuple[int, int]]:
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="attack5 finding: DropBehind's readahead-tail drop at close evicts pages "
-                                       "another reader brought in while pled staged (one snapshot at open)")
 def test_pages_another_reader_brings_in_during_staging_stay_cached(tmp_path):
     files = checkpoint(tmp_path)
     for f in files:

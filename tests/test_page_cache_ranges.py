@@ -1,7 +1,7 @@
 """What pled leaves in the host's page cache of a model checkpoint (pled/shared/dropbehind.py): staging, `pled
 verify` and a reload's restaging drop only the pages of the byte ranges they read (rounded inward: a page shared with
-a neighbouring tensor stays) that were not cached before pled read the file, and the readahead those reads brought
-in; every other page is as pled found it. A sidecar's pages are pled's alone and are dropped (test_staging.py).
+a neighbouring tensor stays) that were not cached before pled read the file; they bring in nothing past those ranges
+(pled's own fd reads with POSIX_FADV_RANDOM); every other page is as pled found it. A sidecar's pages are pled's alone and are dropped (test_staging.py).
 
 Figures are real page-cache residency: mincore(2) over a mapping of real files on the tests' file system (ext4 here;
 not tmpfs, whose pages are never dropped), read by a helper written here, not by pled's. The files are fsynced
@@ -42,6 +42,21 @@ def pages(path) -> bytearray:
             m.close()
     finally:
         os.close(fd)
+
+
+def in_cache(fd: int, offset: int, length: int) -> int:
+    """Pages of fd's [offset, offset + length) in the page cache, being read in or not: cachestat(2), called here."""
+    rng, st = (ctypes.c_uint64 * 2)(offset, length), (ctypes.c_uint64 * 5)()
+    assert _libc.syscall(451, fd, rng, st, 0) == 0, os.strerror(ctypes.get_errno())
+    return st[0]
+
+
+def page_up(n: int) -> int:
+    return -(-n // PAGE) * PAGE
+
+
+def page_down(n: int) -> int:
+    return n // PAGE * PAGE
 
 
 def ple_ranges(path) -> list[tuple[int, int]]:
@@ -161,7 +176,7 @@ def test_a_cold_checkpoint_ends_with_no_more_than_a_chunk_of_pleds_pages(tmp_pat
 def test_pages_shared_with_a_neighbour_stay_and_a_range_read_in_chunks_goes(tmp_path):
     """DropBehind alone, over a file of 4 KiB folios (each page read with POSIX_FADV_RANDOM, so the kernel makes no
     larger ones): a range that starts and ends inside pages drops exactly the pages wholly inside it, read in
-    chunks that end off any 2 MiB boundary; pages cached before it are kept, and the readahead tail is not its."""
+    chunks that end off any 2 MiB boundary; pages cached before it are kept."""
     path = tmp_path / "f"
     path.write_bytes(os.urandom(24 * MiB))
     fadvise(path, 0, 0)
@@ -196,37 +211,40 @@ def test_pages_shared_with_a_neighbour_stay_and_a_range_read_in_chunks_goes(tmp_
     assert not late, f"{len(late)} pages behind the read were not dropped as it went (first {late[0]})"
 
 
-def test_a_tail_page_not_yet_droppable_is_dropped_on_a_later_look(tmp_path, monkeypatch):
-    """Readahead still in flight cannot be dropped (its folio is locked): close() looks again. A page the test keeps
-    mapped stands for it (DONTNEED leaves a mapped page too) until close() pauses, when the test unmaps it."""
-    from pled.shared import dropbehind
-
+def test_a_range_read_brings_in_nothing_past_it_and_the_next_bytes_of_it_ahead(tmp_path):
+    """DropBehind alone, over a cold file whose fd the caller set POSIX_FADV_SEQUENTIAL on (the kernel's widest
+    readahead): DropBehind sets RANDOM, so reading a range in chunks brings in no page past the range's last one, and
+    after each read the next bytes of the range are in the page cache already (pled's own read-ahead, WILLNEED: a
+    page being read in is in the page cache, counted by cachestat(2) though mincore says it is not yet, so this needs
+    no timing)."""
     path = tmp_path / "f"
-    path.write_bytes(os.urandom(8 * MiB))
+    path.write_bytes(os.urandom(40 * MiB))
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        lo, hi = MiB, 3 * MiB
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        lo, hi = MiB + 100, 13 * MiB + 5
+        assert sum(pages(path)) == 0, "the test could not drop the file's pages"
         behind = DropBehind(fd, [(lo, hi)], str(path))
-        behind.read(lo, lo + len(os.pread(fd, hi - lo, lo)))
-        tail = 4 * MiB + 5 * PAGE  # past the range and the 2 MiB folio its last page may share: readahead's
-        m = mmap.mmap(fd, PAGE, access=mmap.ACCESS_READ, offset=tail)
-        assert m[0] == os.pread(fd, 1, tail)[0] and pages(path)[tail // PAGE], "the tail page is not cached"
-        pauses = []
-
-        def pause(seconds):
-            pauses.append(seconds)
-            m.close()  # the page can go now
-
-        monkeypatch.setattr(dropbehind.time, "sleep", pause)
+        at, past, missing = lo, [], []
+        while at < hi:
+            got = len(os.pread(fd, min(MiB + 4321, hi - at), at))
+            behind.read(at, at + got)
+            at += got
+            now = pages(path)
+            past += [p for p in range(hi // PAGE + 1, len(now)) if now[p]]
+            want = page_up(min(at + got, hi)) - page_down(at)
+            if want > 0 and in_cache(fd, page_down(at), want) < want // PAGE:  # read in or being read in
+                missing.append(at)
         behind.close()
         after = pages(path)
     finally:
         os.close(fd)
-    assert len(pauses) == 1, f"close() paused {len(pauses)} times"
-    assert not after[tail // PAGE], "the tail page pled brought in stayed cached after close() looked again"
+    assert not past, f"{len(set(past))} pages past the range were brought in (first at byte {min(past) * PAGE})"
+    assert not missing, f"the range's next bytes were not read ahead after {len(missing)} reads (first at {missing[0]})"
+    left = [p for p in inside([(lo, hi)]) if after[p]]
+    assert not left, f"{len(left)} pages read were left cached (first {left[0]})"
 
 
 @pytest.fixture

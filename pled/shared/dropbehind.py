@@ -1,20 +1,26 @@
 """Drop from the page cache what pled's reads of one file brought in, and nothing else.
 
-A sidecar's shard is pled's alone: every page of it is dropped behind the copy, chunk by chunk, and the whole file
-once read (``everything=True``). A model checkpoint is not: its PLE tensors are a small part of files whose other
-tensors a restarting vLLM reads next. Of a checkpoint file pled drops only
+A sidecar's shard is pled's alone: it is read with POSIX_FADV_SEQUENTIAL (the kernel's readahead at its widest),
+every page of it dropped behind the copy, chunk by chunk, and the whole file once read (``everything=True``). A model
+checkpoint is not: its PLE tensors are a small part of files whose other tensors a restarting vLLM reads next, maybe
+while pled reads. So pled reads a checkpoint file with POSIX_FADV_RANDOM set on its own open file (readahead state
+is per open file: another reader's is untouched): the kernel then reads exactly the pages asked for, and no
+readahead runs past a range into pages pled would have to guess about. pled reads ahead itself instead: after each
+read, POSIX_FADV_WILLNEED for as many bytes again, never past the end of the range (the kernel reads exactly those,
+without waiting, and sets no readahead marker). Of a checkpoint file pled drops only
 
 * pages inside the byte ranges it read, rounded inward (a page shared with a neighbouring tensor stays),
 * that were not in the page cache before pled read any of the file (one snapshot, taken when the file is opened:
-  taken later, the kernel's readahead for one tensor would pass for pages that were cached before the next),
-* and, once the file is read, the readahead tail after each range: the pages past its end the kernel read ahead
-  (up to twice read_ahead_kb, 28 MiB measured with read_ahead_kb = 8192), again only those not cached before. A
-  page still being read in cannot be dropped: pled looks again, up to 0.1 s, while such pages are left.
+  taken later, pled's own read-ahead for one range would pass for pages that were cached before).
+
+Nothing past a range is ever dropped. A page of a range that another reader brings in while pled stages goes with
+pled's (pled read it too); pages another reader's own readahead marked may still make the kernel read ahead on
+pled's open file, and those are left cached, as another reader's.
 
 Residency comes from cachestat(2) (Linux 6.5+) where the whole file is cold or wholly cached, else from mincore(2)
 on a mapping of the file. Both tell the truth only to a process that owns the file or may write it (Linux 5.2's
 side-channel fix: cachestat then fails with EPERM, mincore reports every page cached). Where pled may not know, it
-drops the ranges it read (inward) and no readahead tail, as if the file had been cold: the other tensors stay.
+drops the ranges it read (inward), as if the file had been cold: the other tensors stay.
 
 Dropping works on whole folios: the page cache holds a file in folios of up to 2 MiB, and POSIX_FADV_DONTNEED leaves
 any folio that runs past either end of the range. So a read in progress drops up to the last 2 MiB boundary behind
@@ -28,7 +34,6 @@ import logging
 import mmap
 import os
 import re
-import time
 from collections.abc import Iterable
 
 from pled.shared.hugepages import PMD_SIZE
@@ -36,8 +41,6 @@ from pled.shared.pagecache import _NR_CACHESTAT, PAGE, _libc, _Range, _Stat, map
 
 log = logging.getLogger(__name__)
 
-SETTLE_TRIES, SETTLE_PAUSE = 10, 0.01  # readahead still in flight when its tail is dropped: at most 0.1 s a file
-TAIL = 64 * 1024 * 1024  # the least readahead tail looked at past a range; 4 x read_ahead_kb where that is more
 _LOW_BIT = bytes(i & 1 for i in range(256))  # mincore's vector: bit 0 is residency, the others are reserved
 _COLD = re.compile(rb"\x00+")
 
@@ -109,19 +112,10 @@ def _mincore(fd: int, offset: int, length: int) -> bytes | None:
         m.close()
 
 
-def _readahead_bound(fd: int) -> int:
-    """How far past a read the kernel may have read ahead: 4 x the device's read_ahead_kb, at least TAIL."""
-    dev = os.fstat(fd).st_dev
-    try:
-        with open(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb", encoding="ascii") as f:
-            return max(TAIL, 4 * 1024 * int(f.read().strip()))
-    except (OSError, ValueError):  # btrfs's anonymous devices have no bdi of that number
-        return TAIL
-
-
 class DropBehind:
-    """The page cache of one file while pled reads ``ranges`` of it: call ``read`` after each read (in order within
-    a range) and ``close`` once done (also after an error: what was read is dropped)."""
+    """The page cache of one file while pled reads ``ranges`` of it (opened here: POSIX_FADV_RANDOM on a checkpoint's
+    file, SEQUENTIAL on a sidecar's): call ``read`` after each read (in order within a range) and ``close`` once done
+    (also after an error: what was read is dropped)."""
 
     def __init__(self, fd: int, ranges: Iterable[tuple[int, int]], path: str, *, everything: bool = False) -> None:
         self.fd, self.path, self.everything = fd, path, everything
@@ -132,18 +126,20 @@ class DropBehind:
         self._warned = False
         size = os.fstat(fd).st_size
         self.size = size
-        self._bound = 0 if everything else _readahead_bound(fd)
-        # Before the first read of the file: later, readahead for one range would pass for the next one's cache.
-        # Only the pages pled may drop are looked at: from the first range to the last one's readahead tail.
-        span = (self.runs[0][0], self.runs[-1][1] + self._bound) if self.runs else (0, 0)
+        # Before the first read of the file: later, pled's read-ahead for one range would pass for the next one's
+        # cache. Only the pages pled may drop are looked at: from the first range to the last one's end.
+        span = (self.runs[0][0], self.runs[-1][1]) if self.runs else (0, 0)
         self.before = None if everything else resident(fd, size, *span)
         if self.before is None and not everything:
             log.info("pled cannot see which pages of %r were cached (it neither owns nor may write it): it drops "
                      "the pages of the ranges it read, cached or not, and leaves the rest of the file's", path)
+        # No kernel readahead past what pled asks for, on pled's own open file only (a checkpoint's)
+        self._advise(0, 0, os.POSIX_FADV_SEQUENTIAL if everything else os.POSIX_FADV_RANDOM)
 
     def read(self, begin: int, end: int) -> None:
         """Bytes [begin, end) were just read: drop what of them pled brought in, up to the last 2 MiB boundary (a
-        folio running on past ``end`` is dropped with the next read, or by ``close``)."""
+        folio running on past ``end`` is dropped with the next read, or by ``close``); of a checkpoint's file, ask
+        for the next as many bytes of the range, never past its end."""
         i = bisect.bisect_right(self._starts, begin) - 1
         if i < 0 or begin >= self.runs[i][1]:
             return  # not in a range pled reads: a header, say
@@ -152,10 +148,12 @@ class DropBehind:
         if stop > self._to[i]:
             self._drop(self._to[i], stop)
             self._to[i] = stop
+        ahead = min(self.runs[i][1], end + (end - begin)) - end
+        if not self.everything and ahead > 0:
+            self._advise(end, ahead, os.POSIX_FADV_WILLNEED)
 
     def close(self) -> None:
-        """Drop the rest of every range read, then (a checkpoint whose residency is known) the readahead tails; a
-        sidecar's file is dropped whole."""
+        """Drop the rest of every range read; a sidecar's file is dropped whole."""
         if self.everything:
             self._advise(0, 0)  # readahead may have brought in pages past the last chunk
             return
@@ -163,29 +161,6 @@ class DropBehind:
             if self._touched[i] and page_down(end) > self._to[i]:
                 self._drop(self._to[i], page_down(end))
                 self._to[i] = page_down(end)
-        if self.before is None:
-            return  # what lies past a range may be another reader's: left as found
-        tails = [(page_up(end), min(page_down(self.runs[i + 1][0] if i + 1 < len(self.runs) else self.size),
-                                    page_up(end) + self._bound))
-                 for i, (_, end) in enumerate(self.runs) if self._touched[i]]
-        for _ in range(SETTLE_TRIES):  # a page still being read in cannot be dropped: wait for it, a little
-            for lo, hi in tails:
-                self._drop(lo, hi)
-            # a folio holding a kept page at a range's edge (one shared with a neighbour) never goes: not waited for
-            tails = [(lo, hi) for lo, hi in tails
-                     if self._still_in(-(-lo // PMD_SIZE) * PMD_SIZE, hi // PMD_SIZE * PMD_SIZE)]
-            if not tails:
-                return
-            time.sleep(SETTLE_PAUSE)
-
-    def _still_in(self, lo: int, hi: int) -> bool:
-        """Whether a page of [lo, hi) that was not cached before is cached now."""
-        if hi <= lo or self.before is None:
-            return False
-        now = _mincore(self.fd, lo, hi - lo)
-        was = self.before[lo // PAGE: -(-hi // PAGE)]
-        # one bit a page (0 or 1 a byte): cached now and not before, in one operation over the span
-        return now is not None and int.from_bytes(now, "little") & ~int.from_bytes(was, "little") != 0
 
     def _drop(self, lo: int, hi: int) -> None:
         """Drop pages [lo, hi) (page-aligned) that were not cached before."""
@@ -201,11 +176,14 @@ class DropBehind:
         for m in _COLD.finditer(was):
             self._advise(lo + m.start() * PAGE, (m.end() - m.start()) * PAGE)
 
-    def _advise(self, offset: int, length: int) -> None:
+    def _advise(self, offset: int, length: int, advice: int = os.POSIX_FADV_DONTNEED) -> None:
         try:
-            os.posix_fadvise(self.fd, offset, length, os.POSIX_FADV_DONTNEED)
+            os.posix_fadvise(self.fd, offset, length, advice)
         except OSError as err:  # os.posix_fadvise raises on the returned error, unlike a bare libc call
-            if not self._warned:
-                self._warned = True
-                log.warning("could not drop page cache of %r (%s); pled goes on, the kernel reclaims it later",
-                            self.path, err)
+            self._warn(str(err))
+
+    def _warn(self, why: str) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning("could not advise the kernel on the page cache of %r (%s); pled goes on, the kernel "
+                        "reclaims what pled read later", self.path, why)

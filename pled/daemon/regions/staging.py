@@ -116,7 +116,6 @@ def _copy_file(shard: Shard, pieces: list[Piece], fd: int, view: memoryview | No
         pieces = sorted(pieces, key=lambda p: p.begin)
         behind = DropBehind(src, [(p.begin, p.begin + p.nbytes) for p in pieces], shard.path, everything=whole)
         try:
-            os.posix_fadvise(src, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             for piece in pieces:
                 _copy_piece(src, shard, piece, fd, view, pacer, table, behind)
         finally:
