@@ -25,6 +25,8 @@ UNSEEN = T + "test_a_file_pled_may_not_see_the_cache_of_is_dropped_in_the_ranges
 SERVED = T + "test_serve_verify_and_reload_keep_a_cached_checkpoints_pages"
 VERIFY = T + "test_verify_of_a_cold_checkpoint_takes_out_what_it_read_and_keeps_the_rest"
 LOCATE = T + "test_the_scheduled_verify_locating_a_change_keeps_the_checkpoints_other_pages"
+AHEAD = T + "test_a_range_read_brings_in_nothing_past_it_and_the_next_bytes_of_it_ahead"
+ATTACK = "tests/test_attack5_pagecache.py::test_pages_another_reader_brings_in_during_staging_stay_cached"
 
 MUTATIONS = [
     # Inward rounding: a page shared with a neighbouring tensor stays.
@@ -49,18 +51,23 @@ MUTATIONS = [
     Mutation("a process that may not see a file's cache trusts mincore's all-cached answer", DB,
              "    if not _may_see(fd):\n        return None\n", "",
              (UNSEEN,)),
-    # Dropping behind, and the readahead tail.
+    # Dropping behind; no kernel readahead past a range, pled's own read-ahead within it.
     Mutation("nothing dropped behind a read until its range is done", DB,
              "else end // PMD_SIZE * PMD_SIZE", "else self._to[i]", (UNIT,)),
-    Mutation("the readahead tail past a range left in the page cache", DB,
-             "            for lo, hi in tails:\n                self._drop(lo, hi)\n",
-             "            for lo, hi in tails:\n                pass\n", (COLD,)),
-    Mutation("a readahead tail still being read in not looked at again", DB,
-             "        for _ in range(SETTLE_TRIES):", "        for _ in range(1):",
-             (T + "test_a_tail_page_not_yet_droppable_is_dropped_on_a_later_look",)),
-    Mutation("the readahead tail dropped where the file's residency is unknown (another reader's pages)", DB,
-             "            return  # what lies past a range may be another reader's: left as found", "            pass",
-             (UNSEEN,)),
+    Mutation("a checkpoint's file read with the kernel's readahead (POSIX_FADV_RANDOM not set)", DB,
+             "os.POSIX_FADV_SEQUENTIAL if everything else os.POSIX_FADV_RANDOM)",
+             "os.POSIX_FADV_SEQUENTIAL)", (AHEAD, COLD, ATTACK)),
+    Mutation("pled's read-ahead runs past the range's end", DB,
+             "        ahead = min(self.runs[i][1], end + (end - begin)) - end",
+             "        ahead = end - begin", (AHEAD, COLD)),
+    Mutation("no read-ahead of the range's next bytes", DB,
+             "        if not self.everything and ahead > 0:", "        if False:", (AHEAD,)),
+    Mutation("the last chunk of a range left cached at close", DB,
+             "            if self._touched[i] and page_down(end) > self._to[i]:", "            if False:",
+             (UNIT, AHEAD, EXACT)),
+    Mutation("pages dropped where the file's residency is unknown past the ranges read (the whole file)", DB,
+             "        if self.before is None:\n            self._advise(lo, hi - lo)",
+             "        if self.before is None:\n            self._advise(0, 0)", (UNSEEN,)),
     # Each path that reads a checkpoint: staging (serve and reload), pled verify, the scheduled verify.
     Mutation("staging (serve, reload) drops a checkpoint's file whole, as a sidecar's",
              "pled/daemon/regions/staging.py",
