@@ -247,6 +247,31 @@ def test_a_range_read_brings_in_nothing_past_it_and_the_next_bytes_of_it_ahead(t
     assert not left, f"{len(left)} pages read were left cached (first {left[0]})"
 
 
+def test_a_range_left_partway_loses_every_page_read_at_close(tmp_path):
+    """A read that stops partway through a range (staging cancelled, a read error): close() drops what was read,
+    past the last 2 MiB boundary that dropping behind the reads had reached."""
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(24 * MiB))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        lo, hi = MiB + 100, 20 * MiB
+        behind = DropBehind(fd, [(lo, hi)], str(path))
+        at = lo
+        for _ in range(3):
+            got = len(os.pread(fd, MiB + 4321, at))
+            behind.read(at, at + got)
+            at += got
+        assert any(pages(path)[p] for p in inside([(lo, at)])), "nothing read is cached: the test proves nothing"
+        behind.close()
+        after = pages(path)
+    finally:
+        os.close(fd)
+    left = [p for p in inside([(lo, at)]) if after[p]]
+    assert not left, f"{len(left)} pages read before the stop were left cached (first at byte {left[0] * PAGE})"
+
+
 @pytest.fixture
 def shared_dir():
     """A directory on the tests' file system that another uid may read."""

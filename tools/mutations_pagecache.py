@@ -25,6 +25,7 @@ UNSEEN = T + "test_a_file_pled_may_not_see_the_cache_of_is_dropped_in_the_ranges
 SERVED = T + "test_serve_verify_and_reload_keep_a_cached_checkpoints_pages"
 VERIFY = T + "test_verify_of_a_cold_checkpoint_takes_out_what_it_read_and_keeps_the_rest"
 LOCATE = T + "test_the_scheduled_verify_locating_a_change_keeps_the_checkpoints_other_pages"
+PARTWAY = T + "test_a_range_left_partway_loses_every_page_read_at_close"
 AHEAD = T + "test_a_range_read_brings_in_nothing_past_it_and_the_next_bytes_of_it_ahead"
 ATTACK = "tests/test_attack5_pagecache.py::test_pages_another_reader_brings_in_during_staging_stay_cached"
 
@@ -64,7 +65,7 @@ MUTATIONS = [
              "        if not self.everything and ahead > 0:", "        if False:", (AHEAD,)),
     Mutation("the last chunk of a range left cached at close", DB,
              "            if self._touched[i] and page_down(end) > self._to[i]:", "            if False:",
-             (UNIT, AHEAD, EXACT)),
+             (PARTWAY,)),
     Mutation("pages dropped where the file's residency is unknown past the ranges read (the whole file)", DB,
              "        if self.before is None:\n            self._advise(lo, hi - lo)",
              "        if self.before is None:\n            self._advise(0, 0)", (UNSEEN,)),
