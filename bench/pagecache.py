@@ -1,17 +1,17 @@
 """What dropping only pled's own pages costs staging a checkpoint table (pled/shared/dropbehind.py), side by side
-with the behaviour before it and with the alternative that would need no readahead clean-up.
+with the whole-file drop pled did before and with no read-ahead at all.
 
     python -m bench.pagecache                       # a 1 GiB checkpoint (half PLE tensors), 5 repeats
     python -m bench.pagecache --gib 0.5 --repeats 7
 
 Variants, each staging the same checkpoint, in turn (no variant always first), repeats interleaved:
 
-* ``ranges``: what pled does: a residency snapshot per file (cachestat, mincore where a file is part cached), pages
-  dropped behind the copy only where pled brought them in, the readahead tail dropped at the end;
-* ``whole-file``: the behaviour before (every chunk read dropped, then the whole file: the page cache of the rest
-  of the checkpoint with it). Both read the file's tensors in file order;
-* ``random``: ``ranges`` with POSIX_FADV_RANDOM instead of SEQUENTIAL: no readahead, so no tail to clean up; the
-  kernel then reads exactly what is asked, synchronously, in 4 KiB folios.
+* ``ranges``: what pled does: a residency snapshot per file (cachestat, mincore where a file is part cached), the
+  file read with POSIX_FADV_RANDOM and pled's own read-ahead (POSIX_FADV_WILLNEED of the next chunk, never past a
+  run of PLE tensors), pages dropped behind the copy only where pled brought them in;
+* ``whole-file``: the behaviour before (read with POSIX_FADV_SEQUENTIAL, every chunk read dropped, then the whole
+  file: the page cache of the rest of the checkpoint with it). Both read the file's tensors in file order;
+* ``no-read-ahead``: ``ranges`` without pled's read-ahead: the kernel reads exactly what is asked, synchronously.
 
 Each in three states of the page cache: ``cold`` (every file dropped first), ``warm`` (every file read first) and
 ``others-warm`` (every file read, then its PLE tensors dropped: vLLM has read the model, pled's part is cold). Prints
@@ -83,21 +83,10 @@ class _WholeFile(dropbehind.DropBehind):
         super().__init__(fd, ranges, path, everything=True)
 
 
-def _random_fadvise(real):
+def _no_read_ahead(real):
     def fadvise(fd, offset, length, advice):
-        return real(fd, offset, length, os.POSIX_FADV_RANDOM if advice == os.POSIX_FADV_SEQUENTIAL else advice)
+        return None if advice == os.POSIX_FADV_WILLNEED else real(fd, offset, length, advice)
     return fadvise
-
-
-class _CountedPauses:
-    """dropbehind's clock, counting the pauses close() makes for readahead still in flight."""
-
-    def __init__(self) -> None:
-        self.paused = 0.0
-
-    def sleep(self, seconds: float) -> None:
-        self.paused += seconds
-        time.sleep(seconds)
 
 
 def _timed_dontneed(real, spent: list[float]):
@@ -116,13 +105,12 @@ def _timed_dontneed(real, spent: list[float]):
 
 def stage_once(d: Path, files: list[str], variant: str) -> dict:
     real_db, real_fadvise = staging.DropBehind, os.posix_fadvise
-    pauses = dropbehind.time = _CountedPauses()  # type: ignore[assignment]
     spent: list[float] = []
     os.posix_fadvise = _timed_dontneed(real_fadvise, spent)
     if variant == "whole-file":
         staging.DropBehind = _WholeFile  # type: ignore[misc]
-    elif variant == "random":
-        os.posix_fadvise = _random_fadvise(os.posix_fadvise)
+    elif variant == "no-read-ahead":
+        os.posix_fadvise = _no_read_ahead(os.posix_fadvise)
     try:
         source = open_checkpoint(str(d))
         t, cpu = time.perf_counter(), os.times()
@@ -131,9 +119,8 @@ def stage_once(d: Path, files: list[str], variant: str) -> dict:
         r.close()
     finally:
         staging.DropBehind, os.posix_fadvise = real_db, real_fadvise  # type: ignore[misc]
-        dropbehind.time = time  # type: ignore[assignment]
     cpu_seconds = done.user + done.system - cpu.user - cpu.system  # the process's, kernel's copy included
-    return {"seconds": seconds, "cpu_seconds": cpu_seconds, "paused": pauses.paused, "dontneed_calls": len(spent),
+    return {"seconds": seconds, "cpu_seconds": cpu_seconds, "dontneed_calls": len(spent),
             "dontneed_seconds": sum(spent),
             "cached_after": sum(cached_bytes(f) for f in files)}
 
@@ -164,7 +151,7 @@ def main() -> int:
         files = make(work, args.gib)
         total = sum(os.path.getsize(f) for f in files)
         ple = sum(hi - lo for f in files for lo, hi in ple_ranges(f))
-        variants, states = ["ranges", "whole-file", "random"], args.states.split(",")
+        variants, states = ["ranges", "whole-file", "no-read-ahead"], args.states.split(",")
         runs: dict[str, list[dict]] = {}
         snap: dict[str, list[float]] = {}
         for rep in range(args.repeats):
@@ -181,8 +168,8 @@ def main() -> int:
         print(f"checkpoint {total / MiB:.0f} MiB in {len(files)} files, PLE tensors {ple / MiB:.0f} MiB; "
               f"{args.repeats} repeats; kernel {os.uname().release}")
         print("| variant, page cache before | seconds, median (min-max) | x ranges | CPU seconds, median (min-max) "
-              "| x ranges | paused for readahead, s | DONTNEED calls, s | cached before -> after, MiB |")
-        print("|---|---|---|---|---|---|---|---|")
+              "| x ranges | DONTNEED calls, s | cached before -> after, MiB |")
+        print("|---|---|---|---|---|---|---|")
         for state in states:
             base = {k: statistics.median(r[k] for r in runs[f"ranges {state}"]) for k in ("seconds", "cpu_seconds")}
             for variant in variants:
@@ -195,13 +182,12 @@ def main() -> int:
                                  f"{row[k]['median'] / base[k]:.2f}")
                 b = statistics.median(r["cached_before"] for r in rs) / MiB
                 a = statistics.median(r["cached_after"] for r in rs) / MiB
-                paused = statistics.median(r["paused"] for r in rs)
                 calls = statistics.median(r["dontneed_calls"] for r in rs)
                 dn = statistics.median(r["dontneed_seconds"] for r in rs)
                 out["results"][f"{variant} {state}"] = row | {"cached_before": b * MiB, "cached_after": a * MiB,
-                                                              "paused": paused, "dontneed_calls": calls,
+                                                              "dontneed_calls": calls,
                                                               "dontneed_seconds": dn}
-                print(f"| {variant}, {state} | {' | '.join(cells)} | {paused:.2f} | {calls:.0f}, {dn:.3f} | "
+                print(f"| {variant}, {state} | {' | '.join(cells)} | {calls:.0f}, {dn:.3f} | "
                       f"{b:.0f} -> {a:.0f} |")
         for state, secs in snap.items():
             out[f"snapshot_seconds {state}"] = statistics.median(secs)

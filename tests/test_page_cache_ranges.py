@@ -1,7 +1,8 @@
 """What pled leaves in the host's page cache of a model checkpoint (pled/shared/dropbehind.py): staging, `pled
 verify` and a reload's restaging drop only the pages of the byte ranges they read (rounded inward: a page shared with
 a neighbouring tensor stays) that were not cached before pled read the file; they bring in nothing past those ranges
-(pled's own fd reads with POSIX_FADV_RANDOM); every other page is as pled found it. A sidecar's pages are pled's alone and are dropped (test_staging.py).
+(pled's own fd reads with POSIX_FADV_RANDOM); every other page is as pled found it. A sidecar's pages are pled's
+alone and are dropped (test_staging.py).
 
 Figures are real page-cache residency: mincore(2) over a mapping of real files on the tests' file system (ext4 here;
 not tmpfs, whose pages are never dropped), read by a helper written here, not by pled's. The files are fsynced
