@@ -167,7 +167,7 @@ def _refuse_dummy(weight, table) -> None:
         load_format = str(config.load_config.load_format)
     except Exception:  # noqa: BLE001 (no current config: vLLM's loader is not running)
         return
-    if load_format == "dummy":
+    if load_format == "dummies":
         raise PledUnavailable("pled: load_format=dummy would write vLLM's dummy values into pled's sealed Engram "
                               f"table {weight.prefix} (table {table.name}); load the checkpoint, or start this vLLM "
                               "without pled (unset PLED_SOCKET)")
@@ -227,7 +227,7 @@ def _compare(param, loaded_weight) -> None:
 
     if private_views.same_rows(table, shard, param):
         return  # pled served the checkpoint's tensor from the same array (a copy-on-write view of it): the same bytes
-    if False:
+    if not torch.equal(shard.contiguous().view(torch.uint8), param.data.view(torch.uint8)):
         raise PledUnavailable(f"pled: {_name(table, param)} differs from the rows pled's region holds for it (table "
                               f"{table.name} generation {table.generation}): the checkpoint changed since pled "
                               "staged it; run `pled reload`, then start vLLM again")
