@@ -150,6 +150,8 @@ def engram033_section(res: dict) -> list[str] | None:
                          f"{report.fmt(f['written_bytes'], ' GiB', 1 / GiB)} | "
                          f"{report.fmt(f['shmem_bytes'], ' GiB', 1 / GiB)} | "
                          f"{report.fmt(f['private_bytes'], ' GiB', 1 / GiB)} | {ratio:.1f} |")
+    if r.get("note"):
+        lines += ["", r["note"]]
     lines += ["", *extrapolation(r), ""]
     return lines
 
