@@ -180,9 +180,11 @@ def engram033_verdicts(res: dict) -> list[tuple[bool, str]] | None:
     for world, ways in r["worlds"].items():
         mine, shared = ways["pled"], ways["upstream, shared refill"]
         ratio = shared["seconds"]["median"] / mine["seconds"]["median"]
-        out.append((mine["views"] and mine["written_bytes"]["max"] == 0 and (world.startswith("1x") or ratio >= 20),
-                    f"Engram, DP x TP {world}: pled writes 0 bytes of the table and is {ratio:.1f}x faster to loaded "
-                    "than upstream's shared refill (goal: 20x where DP > 1)"))
+        whole = shared["seconds"]["median"] / (mine["seconds"]["median"] + mine["attach_seconds"]["median"])
+        out.append((mine["views"] and mine["written_bytes"]["max"] == 0 and (world.startswith("1x") or whole >= 20),
+                    f"Engram, DP x TP {world}: pled writes 0 bytes of the table; to loaded {ratio:.1f}x faster than "
+                    f"upstream's shared refill, {whole:.1f}x with pled's attach (mapping and pre-faulting the region "
+                    "once a process) counted (goal: 20x where DP > 1)"))
     return out
 
 
