@@ -167,7 +167,7 @@ def _refuse_dummy(weight, table) -> None:
         load_format = str(config.load_config.load_format)
     except Exception:  # noqa: BLE001 (no current config: vLLM's loader is not running)
         return
-    if load_format == "dummy":
+    if load_format == "dummies":
         raise PledUnavailable("pled: load_format=dummy would write vLLM's dummy values into pled's sealed Engram "
                               f"table {weight.prefix} (table {table.name}); load the checkpoint, or start this vLLM "
                               "without pled (unset PLED_SOCKET)")
