@@ -66,13 +66,13 @@ def _measure(reports: list[dict], way: str) -> dict:
     written, shmem, private = 0, 0, 0
     tp_seen: set = set()
     for r, c in zip(reports, cases, strict=True):
-        for rec in c["layers"].values():
+        for layer, rec in c["layers"].items():
             nbytes = sum(p["nbytes"] for p in rec["params"].values())
             if way == "pled":
                 continue  # read-only views: nothing is written, nothing allocated for the table
             if rec["shared_memory"]:
-                if (r["tp_rank"], rec["range"][0]) not in tp_seen:  # one file a TP slice, filled once
-                    tp_seen.add((r["tp_rank"], rec["range"][0]))
+                if (r["tp_rank"], layer) not in tp_seen:  # one file a layer and TP slice, filled once
+                    tp_seen.add((r["tp_rank"], layer))
                     written += nbytes
                     shmem += nbytes
             else:
@@ -150,6 +150,8 @@ def engram033_section(res: dict) -> list[str] | None:
                          f"{report.fmt(f['written_bytes'], ' GiB', 1 / GiB)} | "
                          f"{report.fmt(f['shmem_bytes'], ' GiB', 1 / GiB)} | "
                          f"{report.fmt(f['private_bytes'], ' GiB', 1 / GiB)} | {ratio:.1f} |")
+    if r.get("note"):
+        lines += ["", r["note"]]
     lines += ["", *extrapolation(r), ""]
     return lines
 
@@ -178,9 +180,11 @@ def engram033_verdicts(res: dict) -> list[tuple[bool, str]] | None:
     for world, ways in r["worlds"].items():
         mine, shared = ways["pled"], ways["upstream, shared refill"]
         ratio = shared["seconds"]["median"] / mine["seconds"]["median"]
-        out.append((mine["views"] and mine["written_bytes"]["max"] == 0 and (world.startswith("1x") or ratio >= 20),
-                    f"Engram, DP x TP {world}: pled writes 0 bytes of the table and is {ratio:.1f}x faster to loaded "
-                    "than upstream's shared refill (goal: 20x where DP > 1)"))
+        whole = shared["seconds"]["median"] / (mine["seconds"]["median"] + mine["attach_seconds"]["median"])
+        out.append((mine["views"] and mine["written_bytes"]["max"] == 0 and (world.startswith("1x") or whole >= 20),
+                    f"Engram, DP x TP {world}: pled writes 0 bytes of the table; to loaded {ratio:.1f}x faster than "
+                    f"upstream's shared refill, {whole:.1f}x with pled's attach (mapping and pre-faulting the region "
+                    "once a process) counted (goal: 20x where DP > 1)"))
     return out
 
 

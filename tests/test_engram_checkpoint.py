@@ -127,6 +127,7 @@ def test_pled_inspect_lists_engram_tables_and_vllms_private_copies(tmp_path):
 
 
 @pytest.mark.daemon
+@pytest.mark.slow
 def test_preflight_counts_the_engram_arrays_exact_bytes_and_pled_serves_them(tmp_path, daemon):
     make_engram_checkpoint(str(tmp_path / "m"), SMALL)
     config = harness.write_config(tmp_path / "pled.toml", {"ds": {"checkpoint": tmp_path / "m"}})
