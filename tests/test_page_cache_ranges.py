@@ -154,7 +154,7 @@ def test_a_tensor_not_at_the_files_start_exactly_the_ranges_read_are_dropped(tmp
 
 def test_a_cold_checkpoint_ends_with_no_more_than_a_chunk_of_pleds_pages(tmp_path):
     """Cold files: of what staging brought in, at most the folio at each end of each run of PLE tensors stays (a
-    page shared with a neighbouring tensor stays, and its folio with it), and none of the readahead past them. What
+    page shared with a neighbouring tensor stays, and its folio with it), and nothing past them. What
     planning's reads of the headers brought in before staging (the headers and their readahead) is not staging's."""
     files = checkpoint(tmp_path)
     for f in files:
