@@ -204,7 +204,7 @@ def test_status_survives_a_sidecar_directory_replaced(tmp_path, sidecar, how):
         pled.stop()
 
 
-GATED = """
+GATE = """
 import os, time
 import pled.daemon.sources.sidecar as s
 _open = s.open_table
@@ -215,6 +215,16 @@ def open_table(path):
         time.sleep(0.05)
     return _open(path)
 s.open_table = open_table
+"""
+# A reload's planning (which opens the sidecars) runs in a child interpreter (pled/daemon/regions/parsing.py): the
+# child gets the same gate, put before its own code.
+GATED = GATE + f"GATE_SRC = {GATE!r}\n" + """
+import subprocess as _sp
+import pled.daemon.regions.parsing as _parsing
+class _Sub:
+    PIPE = _sp.PIPE
+    Popen = staticmethod(lambda argv, *a, **k: _sp.Popen([argv[0], "-c", GATE_SRC + argv[2], *argv[3:]], *a, **k))
+_parsing.subprocess = _Sub
 """
 
 

@@ -329,10 +329,12 @@ def test_a_manifest_too_long_to_check_within_the_timeout_ends_attach_at_the_time
     (DaemonUnavailable), not seconds later: it spends at most the timeout's CPU (attach_in_child), where the check
     alone, without a deadline and measured the same way, spends more than twice that."""
     n = 180_000
-    shard = ShardEntry(0, "/s", 0, 1, 2, 3, "a" * 64, ALIGN, 0, "")
-    tensors = tuple(TensorEntry(f"t{i}", 0, "U8", (0,), ALIGN, 0) for i in range(n))
-    raw = replace(manifest(), shards=(shard,), tensors=tensors).to_json()
-    data_offset = region.align(_PREFIX.size + len(raw))
+    data_offset = 16 * ALIGN  # past the header and its 13 MiB manifest, as a region's data must be
+    shard = ShardEntry(0, "/s", 0, 1, 2, 3, "a" * 64, data_offset, 0, "")
+    tensors = tuple(TensorEntry(f"t{i}", 0, "U8", (0,), data_offset, 0) for i in range(n))
+    raw = replace(manifest(), data_offset=data_offset, region_bytes=data_offset + ALIGN, shards=(shard,),
+                  tensors=tensors).to_json()
+    assert _PREFIX.size + len(raw) <= data_offset
     start = time.thread_time()
     Manifest.from_json(raw)  # what the same check costs without a deadline: more than the timeout
     unbounded = time.thread_time() - start

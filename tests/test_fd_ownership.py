@@ -284,15 +284,24 @@ import fcntl, logging, os
 from pled.daemon.serving import session
 logging.basicConfig(format="%(levelname)s %(message)s")
 fd = os.memfd_create("pled:t", os.MFD_ALLOW_SEALING)
+fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL)
 mine = [session.readonly_duplicate(fd) for _ in range(3)]
-print(sorted({fcntl.fcntl(m, fcntl.F_GETFL) & os.O_ACCMODE for m in mine}), os.path.exists("/proc/self/fd"))
+writable = os.memfd_create("pled:w", os.MFD_ALLOW_SEALING)  # a writable table's: sealed against all but writing
+fcntl.fcntl(writable, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+try:
+    session.readonly_duplicate(writable)
+    refused = "duplicated"
+except OSError:
+    refused = "refused"
+print(sorted({fcntl.fcntl(m, fcntl.F_GETFL) & os.O_ACCMODE for m in mine}), os.path.exists("/proc/self/fd"), refused)
 """
 
 
 @pytest.mark.root
 def test_without_proc_a_reply_gets_a_duplicate_and_the_log_says_so_once(tmp_path):
     """A read-only description of a memfd can only be opened through /proc. In a mount namespace with an empty
-    /proc the reply's fd is a duplicate of pled's read-write one (the seals are what refuse writes), said once."""
+    /proc the reply's fd of a write-sealed region is a duplicate of pled's read-write one (the seals are what refuse
+    writes), said once; a writable table's region (not write-sealed) is never duplicated: the client is refused."""
     import shutil
     import subprocess
     import sys
@@ -303,7 +312,7 @@ def test_without_proc_a_reply_gets_a_duplicate_and_the_log_says_so_once(tmp_path
                         'mount -t tmpfs none /proc && exec "$0" -c "$1"', sys.executable, NO_PROC],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == [f"[{os.O_RDWR}]", "False"], r.stdout
+    assert r.stdout.split() == [f"[{os.O_RDWR}]", "False", "refused"], r.stdout
     assert r.stderr.count("cannot reopen a table's memfd read-only through /proc") == 1, r.stderr
 
 
