@@ -11,7 +11,6 @@ What starts pled, talks to it or stands in for systemd lives in tests/harness.py
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -152,15 +151,7 @@ def blockfs(tmp_path):
     def mount(source: Path) -> tuple[Path, Path]:
         point, flag = tmp_path / f"fuse{len(mounts)}", tmp_path / f"block{len(mounts)}"
         point.mkdir()
-        proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "blockfs.py"), str(source), str(point),
-                                 str(flag)], stderr=subprocess.PIPE, text=True)
-        mounts.append((point, flag, proc))
-        deadline = time.monotonic() + 20
-        while not os.path.ismount(point):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.skip("could not mount FUSE here: "
-                            + (proc.stderr.read() if proc.poll() is not None else "timeout"))
-            time.sleep(0.05)
+        mounts.append((point, flag, harness.mount_fuse("blockfs.py", source, point, str(flag))))
         return point, flag
 
     yield mount

@@ -333,6 +333,21 @@ def require_fuse() -> None:
         pytest.skip("needs /dev/fuse and root")
 
 
+def mount_fuse(script: str, source, point, *args: str):
+    """Start tests/``script`` (a FUSE file system over ``source`` at ``point``, with ``args``) and wait until it is
+    mounted; the Popen. Skips (naming what the file system said) where it cannot mount here within 20 s."""
+    import pytest
+
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / script), str(source), str(point), *args],
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 20
+    while not os.path.ismount(point):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            pytest.skip("could not mount FUSE here: " + (proc.stderr.read() if proc.poll() is not None else "timeout"))
+        time.sleep(0.05)
+    return proc
+
+
 def blocked_calls(flag: Path, at_least: int = 1, timeout: float = 5) -> list[str]:
     """The calls the file system holds, once there are ``at_least`` of them."""
     calls = Path(f"{flag}.calls")

@@ -4,13 +4,11 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from harness import Daemon, require_fuse, run_pled, write_config
+from harness import Daemon, mount_fuse, require_fuse, run_pled, write_config
 from pled import client
 from pled.generator import make_sidecar
 from pled.shared import protocol
@@ -91,15 +89,7 @@ def faultfs(tmp_path):
     def mount(source: Path, name: str, offset: int) -> Path:
         point = tmp_path / f"fuse{len(mounts)}"
         point.mkdir()
-        proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "faultfs.py"), str(source), str(point),
-                                 name, str(offset)], stderr=subprocess.PIPE, text=True)
-        mounts.append((point, proc))
-        deadline = time.monotonic() + 20
-        while not os.path.ismount(point):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.skip("could not mount FUSE here: "
-                            + (proc.stderr.read() if proc.poll() is not None else "timeout"))
-            time.sleep(0.05)
+        mounts.append((point, mount_fuse("faultfs.py", source, point, name, str(offset))))
         return point
 
     yield mount
