@@ -281,7 +281,7 @@ def operator_checks(env: dict) -> None:
     assert r.returncode == 69 and r.stdout == "" and len(r.stderr.splitlines()) == 1, (r.returncode, r.stderr)
     assert r.stderr.startswith("pled verify: needs the Python module xxhash"), r.stderr
     assert "Traceback" not in r.stderr
-    sh(env, "rm -rf /opt/client")  # the test's own client environment, not the package's: purge would not remove it
+    sh(env, "rm -rf /opt/client")  # the test's own, not the package's: the purge's check finds no pled left behind
 
 
 def group_members_reload(env: dict) -> None:
