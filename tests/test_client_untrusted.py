@@ -263,9 +263,23 @@ def test_a_reply_dripped_a_byte_a_second_ends_within_the_timeout(tmp_path, no_fd
     assert isinstance(outcome[0], DaemonUnavailable) and "did not answer io.pled.Attach within 2 s" in str(outcome[0])
 
 
+WALL_BACKSTOP = 300.0  # seconds: a child that waits (no CPU) that long is still running on any machine
+
+
+def _user_cpu(pid: int) -> float:
+    """The user CPU seconds child ``pid`` has spent so far (/proc/PID/stat's utime); 0.0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return int(fields[11]) / os.sysconf("SC_CLK_TCK")
+
+
 def attach_in_child(path: str, timeout: float, limit: float) -> tuple[float, float, str]:
     """attach("t", timeout=...) in a forked child: (seconds it took, user CPU seconds it spent, "<ErrorClass>:
-    message" or "attached"); a child still running after ``limit`` seconds is killed ("still running"). A child, not
+    message" or "attached"); a child that has spent ``limit`` seconds of user CPU (or waited WALL_BACKSTOP) is
+    killed ("still running"): a CPU limit, as the wall time of a host's load is not the child's. A child, not
     a thread: a parse that holds the GIL would hold this test's clock too. The user CPU time (wait4's rusage) is what
     the bounds below are stated in: on a busy machine a child that gave up at its deadline may wait its turn for a
     core long after it, but it spends no more CPU than the deadline let it, and one that ignored the deadline spends
@@ -289,7 +303,7 @@ def attach_in_child(path: str, timeout: float, limit: float) -> tuple[float, flo
             os._exit(0)
     os.close(w)
     while (ended := os.wait4(pid, os.WNOHANG))[0] == 0:
-        if time.monotonic() - start > limit:
+        if _user_cpu(pid) > limit or time.monotonic() - start > WALL_BACKSTOP:
             os.kill(pid, signal.SIGKILL)
             _, _, usage = os.wait4(pid, 0)
             os.close(r)
