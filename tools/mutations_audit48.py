@@ -8,10 +8,10 @@ per-tensor dtype dropped; a dtype the format does not name (another byte order) 
 Class 6, JSON's booleans are not integers (tests/test_booleans_are_not_integers.py): each parser's exact-type check
 relaxed to ``isinstance(x, int)`` (which takes ``true`` for 1): a record's fields and int lists (the manifest), a
 shape's extents, a header's data_offsets, META.json's counts, the Attach reply's generation; the config's StrictInt
-fields turned into lax ints, the boolean refusal of sizes and of seconds dropped. Not here, because equivalent:
-``allow_groups``, ``numa`` and a table's ``numa`` are refused twice (a before-validator's ``type(n) is int`` and
-pydantic's StrictInt, each with a message naming the key), so relaxing either one alone changes nothing a test
-could see.
+fields turned into lax ints, the boolean refusal of sizes and of seconds dropped, and the before-validators of
+``allow_groups`` and ``numa`` relaxed (pydantic's StrictInt behind them still refuses ``true``, but in one complaint
+per member of the union, which the test refuses). Not here, because equivalent: those two fields' StrictInt turned
+into int, as their before-validators refuse a boolean first with the same message.
 
     python tools/mutations_audit48.py            # these alone, through tools/mutations.py's runner
     python tools/mutations_audit48.py --list
@@ -127,6 +127,15 @@ MUTATIONS = [
              "    def _seconds(cls, value: object) -> object:\n        if isinstance(value, bool) or not",
              "    def _seconds(cls, value: object) -> object:\n        if not",
              (CONFIG + "[metrics_interval]",)),
+    Mutation("allow_groups' before-validator takes a boolean for a gid (pydantic's union answers, twice)",
+             "pled/daemon/config.py",
+             "                if type(g) is not int and not isinstance(g, str):",
+             "                if not isinstance(g, (int, str)):",
+             (CONFIG + "[allow_groups]",)),
+    Mutation("numa's before-validator takes a boolean for a node (pydantic's union answers, twice)",
+             "pled/daemon/config_values.py",
+             "not all(type(n) is int for n in value)", "not all(isinstance(n, int) for n in value)",
+             (CONFIG + "[numa]", CONFIG + "[table numa]")),
 ]
 
 if __name__ == "__main__":
