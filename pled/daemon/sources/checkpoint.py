@@ -137,10 +137,10 @@ def parse_index(path: str, raw: bytes) -> dict[str, list[str]]:
     for name, filename in weight_map.items():
         if table_name(name, path) is None:
             continue
-        if os.path.basename(filename) != filename or filename in ("", ".", "..") or "\0" in filename:
+        if "/" in filename or filename in ("", ".", "..") or "\0" in filename:  # "/": not its own basename
             raise SidecarError(path, f"names {clip(filename, 120)!r} for {clip(name, 120)!r}; a checkpoint's "
                                      "files are named without a directory")
-        if not _encodable(filename):
+        if not filename.isascii() and not _encodable(filename):  # isascii: at no cost, as most are
             raise SidecarError(path, f"names {clip(filename, 120)!r} for {clip(name, 120)!r}, which is not a file "
                                      "name (a lone surrogate: not UTF-8); fix the index")
         wanted.setdefault(filename, []).append(name)
