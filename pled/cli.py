@@ -130,7 +130,9 @@ def _show_status(args, st: dict) -> int:
         if numa.get("not_placed"):
             notes.append(f"{t['table']}: NUMA not placed: {numa['not_placed']}")
         if t.get("arrays"):
-            notes.append(f"{t['table']}: {len(t['arrays'])} arrays for vLLM 0.33's PLE path, from "
+            engram = sum(1 for a in t["arrays"] if isinstance(a, dict) and ".engram." in str(a.get("prefix")) + ".")
+            path = {0: "PLE path", len(t["arrays"]): "Engram path"}.get(engram, "PLE and Engram paths")
+            notes.append(f"{t['table']}: {len(t['arrays'])} arrays for vLLM 0.33's {path}, from "
                          f"{t['shards']} checkpoint file(s), a region of {gib(t['region_bytes'])} (each array on "
                          "its own 2 MiB boundary; `pled status --json` lists them)")
         if t.get("error"):

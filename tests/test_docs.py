@@ -99,7 +99,11 @@ def test_a_run_block_runs(block: Block, python: str, tmp_path):
         cmd = [python, "-c", block.text]
     else:
         cmd = ["bash", "--noprofile", "--norc", "-e", "-o", "pipefail", "-c", block.text]
-    r = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=120)
+    try:
+        r = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        if daemon is not None:  # the block's pled ends with it, not with the session
+            daemon.stop()
     assert r.returncode == 0, f"{block.where} exited {r.returncode}:\n{block.text}\n{r.stdout}\n{r.stderr}"
     if "stdout=json" in block.args.split():  # what it prints is JSON, a document a line
         lines = [line for line in r.stdout.splitlines() if line.strip()]

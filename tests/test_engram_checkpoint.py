@@ -138,5 +138,7 @@ def test_preflight_counts_the_engram_arrays_exact_bytes_and_pled_serves_them(tmp
     st = json.loads(harness.run_pled("status", "--json", "--socket", pled.socket).stdout)
     (t,) = st["tables"]
     assert t["state"] == "ready" and t["sealed"] and [a["param"] for a in t["arrays"]] == ["weight", "scale"] * 2
+    text = harness.run_pled("status", "--socket", pled.socket).stdout  # an Engram table is named for what it is
+    assert "ds: 4 arrays for vLLM 0.33's Engram path, from" in text, text
     ok = harness.run_pled("verify", "--socket", pled.socket)
     assert ok.returncode == 0, ok.stdout
