@@ -297,7 +297,7 @@ def main() -> int:
                    help="do not switch shmem_enabled to advise for the huge-page runs")
     p.add_argument("--soak-seconds", type=float, default=120.0, help="bench/soak.py's duration (0: skip it)")
     p.add_argument("--ple033-gib", type=float, default=2.0, help="section 10's PLE tables (vLLM 0.33's own path)")
-    p.add_argument("--engram033-gib", type=float, default=2.0,
+    p.add_argument("--engram033-gib", type=float, default=4.0,
                    help="section 11's DeepSeek V4.1 Engram tables (4 GiB where the host has the memory to spare)")
     p.add_argument("--workdir", default="/var/tmp")
     p.add_argument("--out", default=str(ROOT / "docs" / "BENCHMARKS.md"))

@@ -19,7 +19,7 @@ pin_memory is dropped, and its tensor taken as pinned). The checkpoint's page ca
 right after the previous start read it): what is compared is the fill, not the disk. pled's tables are attached
 (mapped and pre-faulted, once a process, before vLLM builds its layers) outside the timed span, and shown beside it.
 
-    python -m bench.engram033 [--size-gib 2] [--repeats 1]   # this section alone, into docs/engram033.json
+    python -m bench.engram033 [--size-gib 4] [--repeats 1]   # this section alone, into docs/engram033.json
 """
 from __future__ import annotations
 
@@ -191,7 +191,7 @@ def engram033_verdicts(res: dict) -> list[tuple[bool, str]] | None:
 def main() -> int:
     p = argparse.ArgumentParser(prog="python -m bench.engram033", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size-gib", type=float, default=2.0)
+    p.add_argument("--size-gib", type=float, default=4.0)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--json", default=str(ROOT / "docs" / "engram033.json"))
     a = p.parse_args()
