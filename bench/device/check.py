@@ -26,6 +26,10 @@ What it measures, each figure from the run or the reason it could not be had:
   against upstream's pinned copy, the first pass against the warm ones, host memory counted once;
 - on the first of thp, 4k that stages: two processes registering the same table (meminfo's Shmem and each
   process's smaps and status, bench/device/child.py);
+- Engram (bench/device/engram.py, issue 46 item 5): a synthetic DeepSeek V4.1 Engram checkpoint whose rank slice
+  (--engram-rank of --engram-world head shards) holds --engram-gib, staged by pled per GPU route and taken through
+  ``gpu.device_view``; vLLM 0.33's ``_engram_lookup_kernel`` (carried in bench/engram_kernels.py) into bf16 and
+  packed bytes against the CPU reference; rows/s against upstream's private pinned copy, cold and warm;
 - fp8 (a --fp8-mib checkpoint, on thp else 4k): the carried raw-rows kernel through pled's view equal to the rows'
   bytes, and its rows/s against upstream's pinned copy; last, GPU writes through the read-only view, each in a
   child (a kernel's store, cudaMemcpy, cudaMemset): how each failed, and the bytes read back after.
@@ -51,6 +55,7 @@ COMMAND = ("set -o pipefail; python3 -m pip install -q --no-index --no-deps --no
            "320 python3 -m bench.device.check 2>&1 | tee \"$OUT/device_check.log\"")
 RUN = {"command": COMMAND, "carry": [WHEELS], "timeout_s": 360}
 TRAVEL_LIMIT = 64 * MiB
+SECTIONS = ("machine", "checkpoints", "pages", "routes", "engram", "fp8")  # in the order they run, where CUDA is
 
 
 def no_cuda() -> str:
@@ -123,6 +128,7 @@ def machine(cuda) -> dict:
 def measure(args: argparse.Namespace, run: Run) -> None:
     from bench.device import pages as device_pages
     from bench.device.cuda import Cuda
+    from bench.device.engram import engram
     from bench.device.routes import routes
     from bench.device.sections import Context, fp8, page_kind
 
@@ -137,6 +143,8 @@ def measure(args: argparse.Namespace, run: Run) -> None:
                 for kind in args.kinds:
                     run.section(run.result.setdefault("pages", {}), kind, page_kind, ctx, kind)
                 run.section(run.result, "routes", routes, ctx)  # each GPU route pled.client.gpu offers here
+            run.section(run.result, "engram", engram, ctx)  # its own checkpoint: vLLM's Engram kernel per route
+            if "error" not in run.result["checkpoints"]:
                 run.section(run.result, "fp8", fp8, ctx)
         finally:
             ctx.close()
@@ -148,6 +156,16 @@ def measure(args: argparse.Namespace, run: Run) -> None:
 def summary(result: dict) -> list[str]:
     """A few lines of what the JSON holds, for the run's log."""
     lines = []
+    for route, r in result.get("engram", {}).items():
+        if route == "checkpoint" or not isinstance(r, dict):
+            lines.append(f"engram, {route}: {json.dumps(r)[:300]}")
+        else:
+            look, rates = r.get("lookup", {}), r.get("rows_per_s", {})
+            lines.append(f"engram, {route}: " + (json.dumps(r)[:300] if "lookup" not in r else
+                         f"bf16 equal {look.get('bfloat16', {}).get('equal')}, packed equal "
+                         f"{look.get('packed', {}).get('equal')}; rows/s pled "
+                         f"{rates.get('pled', {}).get('median', 0):.3g} vs upstream "
+                         f"{rates.get('upstream', {}).get('median', 0):.3g}"))
     for kind, page in result.get("pages", {}).items():
         if "register" not in page:
             lines.append(f"{kind}: {json.dumps(page)[:300]}")
@@ -202,6 +220,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="folder for device_check.json (default: $OUT, else bench/out/device-check)")
     p.add_argument("--work", default=None, help="folder for the synthetic checkpoints (default: the temp folder)")
     p.add_argument("--table-gib", type=float, default=1.0, help="the nvfp4 table's size (default 1)")
+    p.add_argument("--engram-gib", type=float, default=1.0, help="the Engram rank slice's size (default 1)")
+    p.add_argument("--engram-world", type=int, default=2, help="Engram shards for the slice (default 2)")
+    p.add_argument("--engram-rank", type=int, default=1, help="the Engram shard looked up (default 1)")
     p.add_argument("--fp8-mib", type=float, default=256, help="the fp8 table's size (default 256)")
     p.add_argument("--width", type=int, default=160, help="elements a row, a multiple of 16 (default 160)")
     p.add_argument("--world", type=int, default=3, help="the embedding group's size for the rank slice (default 3)")
@@ -233,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     run = Run(Path(args.out) / "device_check.json", args.budget_s)
     why = no_cuda()
     run.result["cuda"] = not why
+    run.result["sections"] = list(SECTIONS)
     if why:
         run.result["reason"] = f"no CUDA: {why}; nothing measured"
         run.write()
