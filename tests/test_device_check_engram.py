@@ -83,7 +83,8 @@ def test_the_slice_is_as_large_as_asked_and_sharded_as_vllm_shards_heads():
         c = engram.plan(8 << 20, world, rank)
         sizes = generator.engram_head_sizes(c)[0]
         hs, local, lo, hi = engram.shard(sizes, world, rank)
-        assert (hi - lo) * 264 >= 8 << 20 and len(sizes) == 4 and c["engram_layer_ids"] == [engram.LAYER]
+        assert 8 << 20 <= (hi - lo) * 264 < (8 << 20) * 1.1
+        assert len(sizes) == 4 and c["engram_layer_ids"] == [engram.LAYER]
         assert local == -(-4 // world) and hs == rank * local and lo == sum(sizes[:hs])
     with pytest.raises(ValueError, match="without heads"):
         engram.shard([5, 7, 11, 13], 3, 0)  # vLLM's assert: 2 heads a shard leave the third none
