@@ -187,60 +187,75 @@ def check(torch, kernels, weight_d, scale_d, weight: np.ndarray, scale: np.ndarr
 
 
 def one(ctx, e: Engram, route: str) -> dict:
+    """One route, measured on its own staging of the checkpoint; a failure is one RuntimeError line, raised once
+    every view of the mapping (and the failure's frames holding them) is gone, so the table closes cleanly."""
+    import gc
+
+    from pled.client.gpu import routes as gpu_routes
+
+    os.environ[gpu_routes.HMM_OPT_IN] = "1"
+    with _table(e.path, route) as t:
+        try:
+            return _measure(ctx, e, route, t)
+        except Exception as err:  # noqa: BLE001 - said in one line below, once the frames are dropped
+            failure = f"{type(err).__name__}: {err}"
+        gc.collect()
+        raise RuntimeError(failure)
+
+
+def _measure(ctx, e: Engram, route: str, t) -> dict:
     from bench import engram_kernels as kernels
     from bench.device import lookup as device_lookup
     from bench.device.procfs import meminfo, status_of
     from pled.client import gpu
-    from pled.client.gpu import routes as gpu_routes
 
     torch, rt, a = ctx.cuda.torch, gpu.runtime(), ctx.args
-    os.environ[gpu_routes.HMM_OPT_IN] = "1"
     num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    with _table(e.path, route) as t:
-        arrays = {x.param: x for x in t.manifest.arrays if x.prefix == f"layers.{LAYER}.engram.embed"}
-        w, s = arrays["weight"], arrays["scale"]
-        rows = e.hi - e.lo
-        nbytes = rows * (w.row_bytes + s.row_bytes)
-        shmem, anon = meminfo().get("Shmem"), status_of().get("RssAnon")
-        start = time.perf_counter()
-        wv = gpu.device_view(t, w, e.lo, e.hi, what=f"device check, Engram weight, {route}")
-        sv = gpu.device_view(t, s, e.lo, e.hi, what=f"device check, Engram scale, {route}")
-        seconds = time.perf_counter() - start
-        out: dict = {"bytes": nbytes, "seconds": seconds, "gib_per_s": nbytes / GiB / seconds if seconds else None,
-                     "is_pinned": bool(wv.is_pinned() and sv.is_pinned()), "protected": t.protected}
-        wd, sd = _device(ctx, rt, route, wv, rows, w.row_bytes), _device(ctx, rt, route, sv, rows, s.row_bytes)
-        out["host_memory"] = {"shmem_growth": (meminfo().get("Shmem") or 0) - (shmem or 0),
-                              "rss_anon_growth": (status_of().get("RssAnon") or 0) - (anon or 0)}
-        weight, scale = _whole(t, w), _whole(t, s)
-        out["lookup"] = check(torch, kernels, wd, sd, weight, scale, e, a.check_ids // e.local_heads, num_sms)
-        pw = ctx.pinned("engram", "weight", t.buffer, w.offset + e.lo * w.row_bytes, rows * w.row_bytes)
-        ps = ctx.pinned("engram", "scale", t.buffer, s.offset + e.lo * s.row_bytes, rows * s.row_bytes)
-        if "upstream_lookup_engram" not in ctx.result:
-            ctx.result["upstream_lookup_engram"] = check(torch, kernels, pw.device(), ps.device(), weight, scale, e,
-                                                         a.check_ids // e.local_heads, num_sms)
-        del weight, scale
-        dest = torch.empty((a.batch // e.local_heads, e.local_heads, e.dim), dtype=torch.bfloat16, device="cuda")
+    batch = a.batch - a.batch % e.local_heads
+    arrays = {x.param: x for x in t.manifest.arrays if x.prefix == f"layers.{LAYER}.engram.embed"}
+    w, s = arrays["weight"], arrays["scale"]
+    rows = e.hi - e.lo
+    nbytes = rows * (w.row_bytes + s.row_bytes)
+    shmem, anon = meminfo().get("Shmem"), status_of().get("RssAnon")
+    start = time.perf_counter()
+    wv = gpu.device_view(t, w, e.lo, e.hi, what=f"device check, Engram weight, {route}")
+    sv = gpu.device_view(t, s, e.lo, e.hi, what=f"device check, Engram scale, {route}")
+    seconds = time.perf_counter() - start
+    out: dict = {"bytes": nbytes, "seconds": seconds, "gib_per_s": nbytes / GiB / seconds if seconds else None,
+                 "is_pinned": bool(wv.is_pinned() and sv.is_pinned()), "protected": t.protected}
+    wd, sd = _device(ctx, rt, route, wv, rows, w.row_bytes), _device(ctx, rt, route, sv, rows, s.row_bytes)
+    out["host_memory"] = {"shmem_growth": (meminfo().get("Shmem") or 0) - (shmem or 0),
+                          "rss_anon_growth": (status_of().get("RssAnon") or 0) - (anon or 0)}
+    weight, scale = _whole(t, w), _whole(t, s)
+    tokens = a.check_ids // e.local_heads
+    out["lookup"] = check(torch, kernels, wd, sd, weight, scale, e, tokens, num_sms)
+    pw = ctx.pinned("engram", "weight", t.buffer, w.offset + e.lo * w.row_bytes, rows * w.row_bytes)
+    ps = ctx.pinned("engram", "scale", t.buffer, s.offset + e.lo * s.row_bytes, rows * s.row_bytes)
+    if "upstream_lookup_engram" not in ctx.result:
+        ctx.result["upstream_lookup_engram"] = check(torch, kernels, pw.device(), ps.device(), weight, scale, e,
+                                                     tokens, num_sms)
+    del weight, scale
+    dest = torch.empty((batch // e.local_heads, e.local_heads, e.dim), dtype=torch.bfloat16, device="cuda")
 
-        def side(wt, st):
-            w8 = wt.view(torch.float8_e4m3fn)
-            return lambda ids: kernels.lookup(w8, st, ids.view(-1, e.local_heads), dest, e.lo, e.hi, 0,
-                                              e.local_heads, e.local_heads, e.dim, 32, num_sms)
+    def side(wt, st):
+        w8 = wt.view(torch.float8_e4m3fn)
+        return lambda ids: kernels.lookup(w8, st, ids.view(-1, e.local_heads), dest, e.lo, e.hi, 0, e.local_heads,
+                                          e.local_heads, e.dim, 32, num_sms)
 
-        start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        passes = []
-        for _ in range(max(3, a.repeats)):  # cold, then warm
-            ids = torch.randint(e.lo, e.hi, (a.batch,), device="cuda")
-            start_ev.record()
-            side(wd, sd)(ids)
-            end_ev.record()
-            end_ev.synchronize()
-            passes.append(a.batch / (start_ev.elapsed_time(end_ev) / 1000))
-        out["cold_rows_per_s"], out["warm_rows_per_s"] = passes[0], statistics.median(passes[1:])
-        out["rows_per_s"] = device_lookup.rates(torch, {"pled": side(wd, sd), "upstream": side(
-            pw.device().view(rows, w.row_bytes), ps.device().view(rows, s.row_bytes))}, e.lo, e.hi,
-            a.batch - a.batch % e.local_heads, a.launches, a.repeats, w.row_bytes + s.row_bytes)
-        del wd, sd, wv, sv
-        return out
+    start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    passes = []
+    for _ in range(max(3, a.repeats)):  # cold, then warm
+        ids = torch.randint(e.lo, e.hi, (batch,), device="cuda")
+        start_ev.record()
+        side(wd, sd)(ids)
+        end_ev.record()
+        end_ev.synchronize()
+        passes.append(batch / (start_ev.elapsed_time(end_ev) / 1000))
+    out["cold_rows_per_s"], out["warm_rows_per_s"] = passes[0], statistics.median(passes[1:])
+    out["rows_per_s"] = device_lookup.rates(torch, {"pled": side(wd, sd), "upstream": side(
+        pw.device().view(rows, w.row_bytes), ps.device().view(rows, s.row_bytes))}, e.lo, e.hi, batch, a.launches,
+        a.repeats, w.row_bytes + s.row_bytes)
+    return out
 
 
 def engram(ctx) -> dict:
