@@ -15,7 +15,6 @@ no CUDA (tests/test_device_check_engram.py holds them to torch's own float8 dtyp
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import statistics
 import time
@@ -132,21 +131,6 @@ class Engram:
                 "slice_bytes": (self.hi - self.lo) * (self.dim + self.dim // 32), "write_seconds": self.seconds}
 
 
-@contextlib.contextmanager
-def _table(path: str, route: str):
-    from pled.client.mapped_table import Table
-    from pled.daemon.regions import staging
-    from pled.daemon.sources.checkpoint import open_checkpoint
-
-    region = staging.stage(f"device-check-engram-{route}", open_checkpoint(path), writable=route == "writable")
-    try:
-        with Table(os.dup(region.fd), 1, populate=True, gpu_access="writable" if route == "writable" else
-                   "read-only", gpu_routes=(route,), writer=route == "writable") as t:
-            yield t
-    finally:
-        region.close()
-
-
 def _whole(table, a) -> np.ndarray:
     return np.frombuffer(table.buffer, dtype=np.uint8, count=a.nbytes, offset=a.offset).reshape(a.shape[0], -1)
 
@@ -194,7 +178,9 @@ def one(ctx, e: Engram, route: str) -> dict:
     from pled.client.gpu import routes as gpu_routes
 
     os.environ[gpu_routes.HMM_OPT_IN] = "1"
-    with _table(e.path, route) as t:
+    from bench.device.routes import staged_table
+
+    with staged_table(e.path, route, "device-check-engram") as t:
         try:
             return _measure(ctx, e, route, t)
         except Exception as err:  # noqa: BLE001 - said in one line below, once the frames are dropped

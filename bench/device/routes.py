@@ -37,8 +37,10 @@ def _offered(p, route: str) -> str | None:
 
 
 @contextlib.contextmanager
-def _table(ctx, route: str):
-    region = staging.stage(f"device-check-{route}", open_checkpoint(ctx.nvfp4.path), writable=route == "writable")
+def staged_table(path: str, route: str, name: str = "device-check"):
+    """The checkpoint at ``path`` staged as a region for ``route`` (writable for the writable route) and mapped as
+    a Table that takes only that route; the region is closed after."""
+    region = staging.stage(f"{name}-{route}", open_checkpoint(path), writable=route == "writable")
     try:
         with Table(os.dup(region.fd), 1, populate=True, gpu_access="writable" if route == "writable" else
                    "read-only", gpu_routes=(route,), writer=route == "writable") as t:
@@ -50,7 +52,7 @@ def _table(ctx, route: str):
 def one(ctx, route: str) -> dict:
     torch, rt = ctx.cuda.torch, gpu.runtime()
     os.environ[gpu_routes.HMM_OPT_IN] = "1"
-    with _table(ctx, route) as t:
+    with staged_table(ctx.nvfp4.path, route) as t:
         w = next(a for a in t.manifest.arrays if a.param == "weight")
         lo, hi = ctx.rank_rows(w.shape[0])
         nbytes = (hi - lo) * w.row_bytes
